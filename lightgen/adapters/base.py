@@ -1,0 +1,96 @@
+"""``accelerate_model`` / ``restore_model`` and the registry of model families."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from torch import nn
+
+from lightgen.adapters._patch import Patcher
+from lightgen.modules import attention as lg_attention
+from lightgen.modules.norm import make_norm_forward, norm_kind
+
+PATCHER_ATTR = "_lightgen_patcher"
+
+
+class UnsupportedModelError(TypeError):
+    """The object is not a model lightgen knows how to accelerate."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    family: str
+    patch_layers: Callable[[nn.Module, Patcher], None]  # patches the family's transformer blocks
+    attention_interface: bool = True  # the family's attention dispatches through AttentionInterface
+
+
+# model_type -> Adapter; filled by the family modules below.
+ADAPTERS: dict[str, Adapter] = {}
+
+
+def register_adapter(adapter: Adapter, *model_types: str) -> None:
+    for model_type in model_types:
+        ADAPTERS[model_type] = adapter
+
+
+def _model_type(model) -> str:
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(
+            f"accelerate_model expects a transformers PreTrainedModel (an nn.Module), got {type(model).__name__}"
+        )
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ADAPTERS:
+        supported = ", ".join(sorted(ADAPTERS))
+        found = f"model_type '{model_type}'" if model_type else f"{type(model).__name__} without a config.model_type"
+        raise UnsupportedModelError(f"lightgen cannot accelerate {found}; supported families: {supported}")
+    return model_type
+
+
+def _patch_norms(model: nn.Module, patcher: Patcher) -> None:
+    """Every affine LayerNorm / RMSNorm not already inside a patched block runs the lightgen op."""
+    for name, module in model.named_modules():
+        kind = norm_kind(module)
+        if kind is not None:
+            patcher.replace_forward(module, make_norm_forward(module, kind), f"{kind}_norm", name)
+
+
+def accelerate_model(model, **options):
+    """Patch ``model`` in place to run lightgen's kernels; returns the same object.
+
+    The parameters, buffers and ``state_dict()`` are untouched. Calling it twice is a no-op;
+    ``restore_model`` undoes it.
+    """
+    if options:
+        raise TypeError(f"accelerate_model got unknown options: {', '.join(sorted(options))}")
+    adapter = ADAPTERS[_model_type(model)]
+    if getattr(model, PATCHER_ATTR, None) is not None:
+        return model
+    from lightgen import _build
+
+    _build.load()
+    patcher = Patcher()
+    adapter.patch_layers(model, patcher)
+    _patch_norms(model, patcher)
+    if adapter.attention_interface:
+        lg_attention.register()
+        previous = model.config._attn_implementation
+        model.set_attn_implementation(lg_attention.IMPLEMENTATION)
+        patcher.on_undo(lambda: model.set_attn_implementation(previous))
+    patcher.set(model, PATCHER_ATTR, patcher)
+    return model
+
+
+def restore_model(model):
+    """Undo ``accelerate_model`` exactly; returns the same object."""
+    patcher = getattr(model, PATCHER_ATTR, None)
+    if patcher is None:
+        raise ValueError("restore_model: this model was not accelerated by lightgen")
+    patcher.undo()
+    return model
+
+
+def patched_summary(model) -> list[str]:
+    patcher = getattr(model, PATCHER_ATTR, None)
+    return list(patcher.patched) if patcher else []

@@ -1,0 +1,183 @@
+// Attention over a preallocated KV cache: the step's new K/V are written in place at each row's
+// cache position, then scale + mask + softmax + weighted sum run per (batch, head, query).
+#include <torch/library.h>
+#include <limits>
+#include "../include/checks.h"
+#include "../include/vec_math.h"
+
+namespace lightgen {
+namespace {
+
+using at::Tensor;
+
+constexpr const char* kOp = "lightgen.attention";
+
+struct MaskView {
+  const bool* keep = nullptr;    // bool mask: true = attend
+  const float* add = nullptr;    // additive float mask
+  int64_t sb = 0, sh = 0, sq = 0;  // strides of the broadcast [B, Hq, Tq, Tk] view; last stride is 1
+
+  float bias(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    const int64_t off = b * sb + h * sh + i * sq + j;
+    if (keep) return keep[off] ? 0.f : -std::numeric_limits<float>::infinity();
+    return add ? add[off] : 0.f;
+  }
+};
+
+// The mask is read through a broadcast view; only its last dimension must be dense.
+Tensor prepare_mask(const Tensor& mask, int64_t B, int64_t Hq, int64_t Tq, int64_t Tk, MaskView& view) {
+  TORCH_CHECK(mask.device().is_cpu(), kOp, ": 'mask' must be on the CPU, got ", mask.device());
+  TORCH_CHECK(mask.dim() == 2 || mask.dim() == 4, kOp, ": 'mask' must be [B, Tk] or broadcastable to [B, Hq, Tq, Tk]",
+              " = [", B, ", ", Hq, ", ", Tq, ", ", Tk, "], got ", mask.sizes());
+  TORCH_CHECK(mask.size(-1) == Tk, kOp, ": 'mask' must cover all ", Tk, " cached keys, got last dimension ",
+              mask.size(-1));
+  Tensor m = mask.dim() == 2 ? mask.view({mask.size(0), 1, 1, Tk}) : mask;
+  m = m.scalar_type() == at::kBool ? m : m.to(at::kFloat);
+  TORCH_CHECK(m.stride(-1) == 1 || Tk == 1, kOp, ": the last dimension of 'mask' must be contiguous");
+  Tensor e;
+  try {
+    e = m.expand({B, Hq, Tq, Tk});
+  } catch (const c10::Error&) {
+    TORCH_CHECK(false, kOp, ": 'mask' of shape ", mask.sizes(), " does not broadcast to [B, Hq, Tq, Tk] = [", B,
+                ", ", Hq, ", ", Tq, ", ", Tk, "]");
+  }
+  view.sb = e.stride(0);
+  view.sh = e.stride(1);
+  view.sq = e.stride(2);
+  if (e.scalar_type() == at::kBool)
+    view.keep = e.data_ptr<bool>();
+  else
+    view.add = e.data_ptr<float>();
+  return m;  // keeps the storage alive
+}
+
+template <typename scalar_t>
+void write_new_kv(const Tensor& src, Tensor& cache, const std::vector<int64_t>& pos) {
+  const int64_t B = src.size(0), H = src.size(1), T = src.size(2), D = src.size(3);
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      for (int64_t t = 0; t < T; ++t) {
+        const scalar_t* s = src.data_ptr<scalar_t>() + b * src.stride(0) + h * src.stride(1) + t * src.stride(2);
+        scalar_t* d = cache.data_ptr<scalar_t>() + b * cache.stride(0) + h * cache.stride(1) +
+                      (pos[b] + t) * cache.stride(2);
+        std::copy(s, s + D, d);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& key_len,
+            const MaskView& mask, float scale, bool causal, Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
+  const int64_t group = Hq / k.size(1);
+  const int64_t Tk = k.size(2);
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(Tk * D, 1));
+  at::parallel_for(0, B * Hq * Tq, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(Tk), acc(D), qbuf, kbuf, vbuf;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task % Tq, h = (task / Tq) % Hq, b = task / (Tq * Hq);
+      const int64_t hk = h / group;
+      const int64_t len = key_len[b];
+      const int64_t last = causal ? len - Tq + i : len - 1;  // bottom-right aligned causal window
+      const float* qf = as_float(q.data_ptr<scalar_t>() + b * q.stride(0) + h * q.stride(1) + i * q.stride(2), D, qbuf);
+      const scalar_t* kb = k.data_ptr<scalar_t>() + b * k.stride(0) + hk * k.stride(1);
+      const scalar_t* vb = v.data_ptr<scalar_t>() + b * v.stride(0) + hk * v.stride(1);
+      float max_score = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j <= last; ++j) {
+        float s = row_dot(qf, as_float(kb + j * k.stride(2), D, kbuf), D) * scale + mask.bias(b, h, i, j);
+        scores[j] = s;
+        max_score = std::max(max_score, s);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      if (max_score != -std::numeric_limits<float>::infinity()) {  // a fully masked query yields zeros
+        float denom = 0.f;
+        for (int64_t j = 0; j <= last; ++j) {
+          const float p = std::exp(scores[j] - max_score);
+          denom += p;
+          if (p != 0.f) row_axpy(p, as_float(vb + j * v.stride(2), D, vbuf), acc.data(), D);
+        }
+        const float inv = 1.f / denom;
+        for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
+      }
+      store_row(acc.data(), out.data_ptr<scalar_t>() + ((b * Tq + i) * Hq + h) * D, D);
+    }
+  });
+}
+
+// q: [B, Hq, Tq, D]; k_cache, v_cache: [B, Hkv, Tmax, D] (mutated when k_new is given);
+// k_new, v_new: [B, Hkv, Tq, D], written at cache_pos[b] + t; cache_pos: int64 [B] (default 0);
+// mask: bool (true = attend) or additive, [B, Tk] or broadcastable to [B, Hq, Tq, Tk] with Tk = Tmax.
+// Row b attends to keys [0, cache_pos[b] + Tq) with new K/V, else to all Tmax keys. Returns [B, Tq, Hq, D].
+Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::optional<Tensor>& k_new,
+                 const c10::optional<Tensor>& v_new, const c10::optional<Tensor>& cache_pos,
+                 const c10::optional<Tensor>& mask, double scale, bool causal) {
+  LG_CHECK_CPU(kOp, q);
+  LG_CHECK_CPU(kOp, k_cache);
+  LG_CHECK_CPU(kOp, v_cache);
+  LG_CHECK_FLOAT(kOp, q);
+  LG_CHECK_SAME_DTYPE(kOp, q, k_cache);
+  LG_CHECK_SAME_DTYPE(kOp, q, v_cache);
+  TORCH_CHECK(q.dim() == 4, kOp, ": 'q' must be [B, Hq, Tq, D], got ", q.sizes());
+  const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(3) == D, kOp,
+              ": 'k_cache' must be [B, Hkv, Tmax, D] with B = ", B, " and D = ", D, ", got ", k_cache.sizes());
+  const int64_t Hkv = k_cache.size(1), Tmax = k_cache.size(2);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, kOp, ": query heads (", Hq, ") must be a multiple of key/value heads (", Hkv,
+              ")");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), kOp, ": 'v_cache' must have the shape of 'k_cache' ",
+              k_cache.sizes(), ", got ", v_cache.sizes());
+  LG_CHECK_LAST_CONTIGUOUS(kOp, q);
+  LG_CHECK_LAST_CONTIGUOUS(kOp, k_cache);
+  LG_CHECK_LAST_CONTIGUOUS(kOp, v_cache);
+  TORCH_CHECK(k_new.has_value() == v_new.has_value(), kOp, ": 'k_new' and 'v_new' must be given together");
+
+  std::vector<int64_t> pos(B, 0);
+  if (cache_pos) {
+    TORCH_CHECK(k_new.has_value(), kOp, ": 'cache_pos' only applies when new keys are written ('k_new')");
+    TORCH_CHECK(cache_pos->scalar_type() == at::kLong && cache_pos->dim() == 1 && cache_pos->size(0) == B, kOp,
+                ": 'cache_pos' must be int64 [B] = [", B, "], got ", cache_pos->scalar_type(), " ",
+                cache_pos->sizes());
+    Tensor p = cache_pos->to(at::kCPU).contiguous();
+    std::copy(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + B, pos.begin());
+  }
+  std::vector<int64_t> key_len(B, Tmax);
+  if (k_new) {
+    for (const Tensor* t : {&*k_new, &*v_new}) {
+      LG_CHECK_CPU(kOp, (*t));
+      LG_CHECK_SAME_DTYPE(kOp, q, (*t));
+      TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == Hkv && t->size(2) == Tq && t->size(3) == D, kOp,
+                  ": new keys/values must be [B, Hkv, Tq, D] = [", B, ", ", Hkv, ", ", Tq, ", ", D, "], got ",
+                  t->sizes());
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(pos[b] >= 0 && pos[b] + Tq <= Tmax, kOp, ": row ", b, " writes positions [", pos[b], ", ",
+                  pos[b] + Tq, ") but the cache holds ", Tmax, " (cache overflow)");
+      key_len[b] = pos[b] + Tq;
+    }
+  } else {
+    TORCH_CHECK(Tq <= Tmax || !causal, kOp, ": causal attention needs at least as many keys as queries");
+  }
+
+  MaskView view;
+  Tensor mask_keepalive;
+  if (mask) mask_keepalive = prepare_mask(*mask, B, Hq, Tq, Tmax, view);
+
+  Tensor out = at::empty({B, Tq, Hq, D}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), kOp, [&] {
+    if (k_new) {
+      write_new_kv<scalar_t>(*k_new, k_cache, pos);
+      write_new_kv<scalar_t>(*v_new, v_cache, pos);
+    }
+    attend<scalar_t>(q, k_cache, v_cache, key_len, view, static_cast<float>(scale), causal, out);
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace lightgen
+
+TORCH_LIBRARY_IMPL(lightgen, CPU, m) {
+  m.impl("attention", &lightgen::attention);
+}

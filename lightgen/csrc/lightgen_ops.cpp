@@ -1,0 +1,14 @@
+// Operator schemas: the single source of truth. The Python fallback in
+// lightgen/_build.py reads the m.def lines below when this library cannot be built.
+#include <torch/library.h>
+
+TORCH_LIBRARY(lightgen, m) {
+  m.def("layer_norm(Tensor x, Tensor weight, Tensor? bias, float eps) -> Tensor");
+  m.def("add_layer_norm(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("bias_act(Tensor x, Tensor? bias, str act) -> Tensor");
+  m.def("gated_act(Tensor gate, Tensor up, str act) -> Tensor");
+  m.def("attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_new, Tensor? v_new, Tensor? cache_pos, Tensor? mask, float scale, bool causal) -> Tensor");
+  m.def("embedding(Tensor ids, Tensor weight, float scale, Tensor? pos_weight, Tensor? positions) -> Tensor");
+}

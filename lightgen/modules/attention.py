@@ -1,0 +1,43 @@
+"""lightgen attention behind transformers' official AttentionInterface.
+
+Registered as implementation "lightgen" (with sdpa's boolean masks), so every HF attention module
+that dispatches through ALL_ATTENTION_FUNCTIONS runs ``ops.attention`` without being patched.
+Cases the op does not cover (attention weights requested, dropout in training, soft-capping,
+sliding windows, position biases) go to the sdpa/eager functions they came from.
+"""
+
+from __future__ import annotations
+
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.models.bert.modeling_bert import eager_attention_forward
+
+from lightgen import ops
+
+IMPLEMENTATION = "lightgen"
+
+_UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "position_bias", "s_aux")
+
+
+def lightgen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                               is_causal=None, **kwargs):
+    if kwargs.get("output_attentions"):
+        return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                       dropout=dropout, **kwargs)
+    if (dropout and module.training) or any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    key_len = key.shape[-2]
+    if attention_mask is not None:
+        attention_mask = attention_mask[..., :key_len]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # As in sdpa: an explicit mask already encodes causality; a single query sees every key.
+    causal = bool(causal) and attention_mask is None and query.shape[-2] > 1
+    out = ops.attention(query, key, value, mask=attention_mask, scale=scaling, causal=causal)
+    return out, None
+
+
+def register() -> None:
+    AttentionInterface.register(IMPLEMENTATION, lightgen_attention_forward)
+    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)

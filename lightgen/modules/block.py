@@ -1,0 +1,93 @@
+"""One transformer block for every family, described by a tiny spec.
+
+Adapters map a family's existing submodules (same Parameter objects) onto ``BlockSpec`` and call
+``run_block`` with the attention sublayers bound to that family's calling convention. The block
+then fuses each residual add with the following norm and the FFN bias with its activation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightgen import ops
+from lightgen.modules.norm import apply_add_norm, apply_norm, norm_kind
+
+# HF activation names (config strings) -> lightgen activation; others keep the HF FFN path.
+HF_ACTIVATIONS = {
+    "gelu": "gelu",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSpec:
+    pre_norm: bool
+    act: str | None  # lightgen activation, or None to call the HF activation module
+    ffn_in: tuple[str, ...]  # ("fc1",) or ("gate_proj", "up_proj") when gated
+    ffn_out: str
+    act_module: str  # attribute name of the HF activation, used when act is None
+    clamp_fp16: bool = False  # BART-style encoders clamp inf in fp16
+
+    @property
+    def gated(self) -> bool:
+        return len(self.ffn_in) == 2
+
+
+def activation_for(hf_name) -> str | None:
+    return HF_ACTIVATIONS.get(hf_name) if isinstance(hf_name, str) else None
+
+
+def _matmul_no_bias(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The projection without its bias, for nn.Linear and HF's Conv1D (weight stored [in, out])."""
+    if isinstance(layer, nn.Linear):
+        return F.linear(x, layer.weight)
+    return torch.matmul(x, layer.weight)
+
+
+def feed_forward(ffn_owner: nn.Module, spec: BlockSpec, x: torch.Tensor) -> torch.Tensor:
+    if spec.gated:
+        gate, up = (getattr(ffn_owner, name) for name in spec.ffn_in)
+        if spec.act is None:
+            hidden = getattr(ffn_owner, spec.act_module)(gate(x)) * up(x)
+        else:
+            hidden = ops.gated_act(gate(x), up(x), spec.act)
+    else:
+        fc_in = getattr(ffn_owner, spec.ffn_in[0])
+        if spec.act is None:
+            hidden = getattr(ffn_owner, spec.act_module)(fc_in(x))
+        else:
+            hidden = ops.bias_act(_matmul_no_bias(fc_in, x), fc_in.bias, spec.act)
+    return getattr(ffn_owner, spec.ffn_out)(hidden)
+
+
+Sublayer = Callable[[torch.Tensor], torch.Tensor]
+
+
+def run_block(spec: BlockSpec, hidden: torch.Tensor, sublayers: Sequence[tuple[Sublayer, nn.Module]]) -> torch.Tensor:
+    """Run ``sublayers`` ((call, its norm) pairs, FFN last) with residuals, pre- or post-norm."""
+    kind = norm_kind(sublayers[0][1])
+    if spec.pre_norm:
+        residual = hidden
+        normed = apply_norm(sublayers[0][1], kind, hidden)
+        for index, (call, _) in enumerate(sublayers):
+            out = call(normed)
+            if index + 1 == len(sublayers):
+                hidden = out + residual
+            else:
+                residual, normed = apply_add_norm(sublayers[index + 1][1], kind, out, residual)
+    else:
+        for call, norm in sublayers:
+            _, hidden = apply_add_norm(norm, kind, call(hidden), hidden)
+    if spec.clamp_fp16 and hidden.dtype == torch.float16 and not torch.isfinite(hidden).all():
+        clamp_value = torch.finfo(hidden.dtype).max - 1000
+        hidden = torch.clamp(hidden, min=-clamp_value, max=clamp_value)
+    return hidden

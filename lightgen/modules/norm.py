@@ -1,0 +1,46 @@
+"""Norm modules on lightgen's ops; patched into existing instances, same parameters."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightgen import ops
+
+
+def norm_kind(module: nn.Module) -> str | None:
+    """'layer' for an affine nn.LayerNorm over one dim, 'rms' for HF's RMSNorm classes, else None."""
+    if isinstance(module, nn.LayerNorm):
+        return "layer" if module.elementwise_affine and len(module.normalized_shape) == 1 else None
+    if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+        weight = getattr(module, "weight", None)
+        return "rms" if isinstance(weight, nn.Parameter) and weight.dim() == 1 else None
+    return None
+
+
+def norm_eps(module: nn.Module) -> float:
+    return module.eps if isinstance(module, nn.LayerNorm) else module.variance_epsilon
+
+
+def apply_norm(module: nn.Module, kind: str, x):
+    if kind == "layer":
+        return ops.layer_norm(x, module.weight, module.bias, module.eps)
+    return ops.rms_norm(x, module.weight, module.variance_epsilon)
+
+
+def apply_add_norm(module: nn.Module, kind: str, x, residual):
+    """(x + residual, norm(x + residual))."""
+    if kind == "layer":
+        return ops.add_layer_norm(x, residual, module.weight, module.bias, module.eps)
+    return ops.add_rms_norm(x, residual, module.weight, module.variance_epsilon)
+
+
+def make_norm_forward(module: nn.Module, kind: str):
+    def make(original):
+        def forward(x):
+            if module.training:
+                return original(x)
+            return apply_norm(module, kind, x)
+
+        return forward
+
+    return make

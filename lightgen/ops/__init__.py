@@ -1,0 +1,48 @@
+"""lightgen ops: thin wrappers over ``torch.ops.lightgen.*`` plus their pure-PyTorch references.
+
+Each ``<op>_ref`` is the specification its C++ (and later CUDA) kernels must match; it is also
+what runs when a kernel could not be built.
+"""
+
+from lightgen.ops import activation, attention as _attention_mod, embedding as _embedding_mod, norm
+from lightgen.ops.activation import ACTIVATIONS, bias_act, bias_act_ref, gated_act, gated_act_ref
+from lightgen.ops.attention import attention, attention_ref
+from lightgen.ops.embedding import embedding, embedding_ref
+from lightgen.ops.norm import (
+    add_layer_norm,
+    add_layer_norm_ref,
+    add_rms_norm,
+    add_rms_norm_ref,
+    layer_norm,
+    layer_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
+
+REFERENCES = {}
+FAKES = {}
+for _module in (norm, activation, _attention_mod, _embedding_mod):
+    REFERENCES.update(_module.REFERENCES)
+    FAKES.update(_module.FAKES)
+
+__all__ = [
+    "ACTIVATIONS",
+    "REFERENCES",
+    "FAKES",
+    "layer_norm",
+    "add_layer_norm",
+    "rms_norm",
+    "add_rms_norm",
+    "bias_act",
+    "gated_act",
+    "attention",
+    "embedding",
+    "layer_norm_ref",
+    "add_layer_norm_ref",
+    "rms_norm_ref",
+    "add_rms_norm_ref",
+    "bias_act_ref",
+    "gated_act_ref",
+    "attention_ref",
+    "embedding_ref",
+]

@@ -1,0 +1,72 @@
+"""Attention over a preallocated KV cache, for a decode step or a prefill block.
+
+Shapes: ``q`` [B, Hq, Tq, D]; ``k_cache``/``v_cache`` [B, Hkv, Tmax, D] with Hq a multiple of Hkv
+(grouped-query heads); optional ``k_new``/``v_new`` [B, Hkv, Tq, D] are written in place at
+``cache_pos[b] + t`` (``cache_pos`` int64 [B], default 0) and row b then attends to keys
+``[0, cache_pos[b] + Tq)``; without them every row attends to all Tmax keys. ``mask`` is bool
+(True = attend) or additive, [B, Tmax] or broadcastable to [B, Hq, Tq, Tmax]. ``causal`` lets query
+t see keys up to ``len - Tq + t`` (bottom-right aligned). A query with no visible key returns zeros.
+Returns [B, Tq, Hq, D], the layout the output projection reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightgen import _build
+
+
+def attention(q, k_cache, v_cache, k_new=None, v_new=None, cache_pos=None, mask=None, scale=None, causal=False):
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return _build.op("attention")(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal)
+
+
+def attention_ref(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal):
+    batch, q_heads, q_len, _ = q.shape
+    kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
+    if k_new is not None:
+        pos = cache_pos.tolist() if cache_pos is not None else [0] * batch
+        for b, start in enumerate(pos):
+            if start < 0 or start + q_len > max_len:
+                raise RuntimeError(f"lightgen.attention: row {b} writes past the cache of {max_len} (cache overflow)")
+            k_cache[b, :, start : start + q_len] = k_new[b]
+            v_cache[b, :, start : start + q_len] = v_new[b]
+        key_len = torch.tensor(pos, device=q.device) + q_len
+    else:
+        key_len = torch.full((batch,), max_len, device=q.device)
+
+    group = q_heads // kv_heads
+    keys = k_cache.float().repeat_interleave(group, dim=1)
+    values = v_cache.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * scale  # [B, Hq, Tq, Tmax]
+
+    key_idx = torch.arange(max_len, device=q.device)
+    visible = key_idx.view(1, 1, -1) < key_len.view(-1, 1, 1)  # [B, 1, Tmax]
+    if causal:
+        last = key_len.view(-1, 1, 1) - q_len + torch.arange(q_len, device=q.device).view(1, -1, 1)
+        visible = visible & (key_idx.view(1, 1, -1) <= last)  # [B, Tq, Tmax]
+    visible = visible.unsqueeze(1)
+    if mask is not None:
+        if mask.dim() == 2:
+            mask = mask[:, None, None, :]
+        if mask.dtype == torch.bool:
+            visible = visible & mask
+        else:
+            scores = scores + mask.float()
+    scores = scores.masked_fill(~visible, float("-inf"))
+    row_max = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - row_max.clamp_min(torch.finfo(torch.float32).min))
+    denom = weights.sum(-1, keepdim=True)
+    probs = torch.where(denom > 0, weights / denom, torch.zeros_like(weights))
+    out = torch.matmul(probs, values)  # [B, Hq, Tq, D]
+    return out.transpose(1, 2).contiguous().to(q.dtype)
+
+
+def _attention_fake(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal):
+    batch, heads, q_len, head_dim = q.shape
+    return q.new_empty((batch, q_len, heads, head_dim))
+
+
+REFERENCES = {"attention": attention_ref}
+FAKES = {"attention": _attention_fake}

@@ -1,0 +1,28 @@
+"""Token embedding x scale + positional embedding (learned, or a fixed sinusoidal table)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lightgen import _build
+
+
+def embedding(ids, weight, scale: float = 1.0, pos_weight=None, positions=None) -> torch.Tensor:
+    """``weight[ids] * scale (+ pos_weight[positions])``; ids and positions are int64 of one shape."""
+    return _build.op("embedding")(ids, weight, scale, pos_weight, positions)
+
+
+def embedding_ref(ids, weight, scale, pos_weight, positions):
+    out = F.embedding(ids, weight) * scale
+    if pos_weight is not None:
+        out = out + F.embedding(positions, pos_weight)
+    return out
+
+
+def _embedding_fake(ids, weight, scale, pos_weight, positions):
+    return weight.new_empty((*ids.shape, weight.shape[1]))
+
+
+REFERENCES = {"embedding": embedding_ref}
+FAKES = {"embedding": _embedding_fake}
