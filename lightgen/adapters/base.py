@@ -9,7 +9,7 @@ from torch import nn
 
 from lightgen.adapters._patch import Patcher
 from lightgen.modules import attention as lg_attention
-from lightgen.modules.norm import make_norm_forward, norm_kind
+from lightgen.modules.norm import norm_forward, norm_kind
 
 PATCHER_ATTR = "_lightgen_patcher"
 
@@ -53,7 +53,7 @@ def _patch_norms(model: nn.Module, patcher: Patcher) -> None:
     for name, module in model.named_modules():
         kind = norm_kind(module)
         if kind is not None:
-            patcher.replace_forward(module, make_norm_forward(module, kind), f"{kind}_norm", name)
+            patcher.replace_forward(module, norm_forward, f"{kind}_norm", name)
 
 
 def accelerate_model(model, **options):
@@ -70,14 +70,13 @@ def accelerate_model(model, **options):
     from lightgen import _build
 
     _build.load()
-    patcher = Patcher()
+    patcher = Patcher(model)
     adapter.patch_layers(model, patcher)
     _patch_norms(model, patcher)
     if adapter.attention_interface:
         lg_attention.register()
-        previous = model.config._attn_implementation
+        patcher.previous_attn_implementation = model.config._attn_implementation
         model.set_attn_implementation(lg_attention.IMPLEMENTATION)
-        patcher.on_undo(lambda: model.set_attn_implementation(previous))
     patcher.set(model, PATCHER_ATTR, patcher)
     return model
 
@@ -94,3 +93,7 @@ def restore_model(model):
 def patched_summary(model) -> list[str]:
     patcher = getattr(model, PATCHER_ATTR, None)
     return list(patcher.patched) if patcher else []
+
+
+# Family modules register themselves on import.
+from lightgen.adapters import bart, bert, gpt2, llama  # noqa: E402,F401

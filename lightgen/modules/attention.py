@@ -8,6 +8,7 @@ sliding windows, position biases) go to the sdpa/eager functions they came from.
 
 from __future__ import annotations
 
+import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -25,7 +26,8 @@ def lightgen_attention_forward(module, query, key, value, attention_mask, scalin
     if kwargs.get("output_attentions"):
         return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                        dropout=dropout, **kwargs)
-    if (dropout and module.training) or any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS):
+    # No autograd in lightgen's kernels: anything that records gradients takes sdpa.
+    if module.training or torch.is_grad_enabled() or any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     key_len = key.shape[-2]

@@ -34,13 +34,5 @@ def apply_add_norm(module: nn.Module, kind: str, x, residual):
     return ops.add_rms_norm(x, residual, module.weight, module.variance_epsilon)
 
 
-def make_norm_forward(module: nn.Module, kind: str):
-    def make(original):
-        def forward(x):
-            if module.training:
-                return original(x)
-            return apply_norm(module, kind, x)
-
-        return forward
-
-    return make
+def norm_forward(module: nn.Module, x):
+    return apply_norm(module, norm_kind(module), x)

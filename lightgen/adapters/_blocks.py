@@ -1,0 +1,35 @@
+"""Shared plumbing for adapters: find blocks, keep training on the original forward."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from lightgen import ops
+from lightgen.adapters._patch import Patcher
+
+
+def patch_matching(model: nn.Module, patcher: Patcher, class_suffix: str, fast: Callable, label: str) -> int:
+    """Give every submodule whose class name ends with ``class_suffix`` the inference forward
+    ``fast(module, ...)``; returns how many were patched."""
+    count = 0
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith(class_suffix):
+            patcher.replace_forward(module, fast, label, name)
+            count += 1
+    return count
+
+
+def patch_scaled_embeddings(model: nn.Module, patcher: Patcher) -> None:
+    """HF's ``*ScaledWordEmbedding`` (lookup x embed_scale) -> one fused lookup."""
+
+    def fast(module, input_ids):
+        return ops.embedding(input_ids, module.weight, float(module.embed_scale))
+
+    patch_matching(model, patcher, "ScaledWordEmbedding", fast, "embedding x scale")
+
+
+def first_cache(cache, past_key_values):
+    """Layers accept the cache as ``cache`` (5.24 name) or the deprecated ``past_key_values``."""
+    return cache if cache is not None else past_key_values

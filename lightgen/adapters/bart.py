@@ -1,0 +1,54 @@
+"""BART, mBART (pre-LN) and Marian (post-LN, sinusoidal positions): encoder and decoder blocks."""
+
+from __future__ import annotations
+
+from lightgen.adapters._blocks import first_cache, patch_matching, patch_scaled_embeddings
+from lightgen.adapters.base import Adapter, register_adapter
+from lightgen.modules.block import BlockSpec, activation_for, feed_forward, run_block
+
+_PREFIX = {"bart": "Bart", "mbart": "MBart", "marian": "Marian"}
+
+
+def _spec(config, *, encoder: bool) -> BlockSpec:
+    return BlockSpec(
+        pre_norm=config.model_type == "mbart",
+        act=activation_for(config.activation_function),
+        ffn_in=("fc1",),
+        ffn_out="fc2",
+        act_module="activation_fn",
+        clamp_fp16=encoder,
+    )
+
+
+def patch_bart(model, patcher) -> None:
+    config = model.config
+    prefix = _PREFIX[config.model_type]
+    enc_spec, dec_spec = _spec(config, encoder=True), _spec(config, encoder=False)
+
+    def encoder_fast(layer, hidden_states, attention_mask=None, **kwargs):
+        return run_block(enc_spec, hidden_states, [
+            (lambda h: layer.self_attn(h, attention_mask=attention_mask, **kwargs)[0], layer.self_attn_layer_norm),
+            (lambda h: feed_forward(layer, enc_spec, h), layer.final_layer_norm),
+        ])
+
+    def decoder_fast(layer, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
+                     cache=None, use_cache=True, past_key_values=None, **kwargs):
+        cache = first_cache(cache, past_key_values)
+        sublayers = [(lambda h: layer.self_attn(h, cache=cache, attention_mask=attention_mask, **kwargs)[0],
+                      layer.self_attn_layer_norm)]
+        if encoder_hidden_states is not None:
+            sublayers.append((lambda h: layer.encoder_attn(h, key_value_states=encoder_hidden_states,
+                                                           attention_mask=encoder_attention_mask, cache=cache,
+                                                           **kwargs)[0],
+                              layer.encoder_attn_layer_norm))
+        sublayers.append((lambda h: feed_forward(layer, dec_spec, h), layer.final_layer_norm))
+        return run_block(dec_spec, hidden_states, sublayers)
+
+    norm_label = "pre-LN" if enc_spec.pre_norm else "post-LN"
+    fused = f"fused residual+LayerNorm ({norm_label}), bias+{enc_spec.act or 'HF activation'}"
+    patch_matching(model, patcher, f"{prefix}EncoderLayer", encoder_fast, fused)
+    patch_matching(model, patcher, f"{prefix}DecoderLayer", decoder_fast, fused)
+    patch_scaled_embeddings(model, patcher)
+
+
+register_adapter(Adapter("bart", patch_bart), "bart", "mbart", "marian")

@@ -1,0 +1,31 @@
+"""GPT-2: pre-LN decoder blocks with Conv1D projections (optional cross-attention)."""
+
+from __future__ import annotations
+
+from lightgen.adapters._blocks import first_cache, patch_matching
+from lightgen.adapters.base import Adapter, register_adapter
+from lightgen.modules.block import BlockSpec, activation_for, feed_forward, run_block
+
+
+def patch_gpt2(model, patcher) -> None:
+    spec = BlockSpec(pre_norm=True, act=activation_for(model.config.activation_function), ffn_in=("c_fc",),
+                     ffn_out="c_proj", act_module="act")
+
+    def block_fast(block, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None,
+                   encoder_attention_mask=None, use_cache=False, past_key_values=None, **kwargs):
+        cache = first_cache(cache, past_key_values)
+        sublayers = [(lambda h: block.attn(h, cache=cache, attention_mask=attention_mask, use_cache=use_cache,
+                                           **kwargs)[0], block.ln_1)]
+        if encoder_hidden_states is not None:
+            sublayers.append((lambda h: block.crossattention(h, cache=cache, attention_mask=attention_mask,
+                                                             encoder_hidden_states=encoder_hidden_states,
+                                                             encoder_attention_mask=encoder_attention_mask)[0],
+                              block.ln_cross_attn))
+        sublayers.append((lambda h: feed_forward(block.mlp, spec, h), block.ln_2))
+        return run_block(spec, hidden_states, sublayers)
+
+    patch_matching(model, patcher, "GPT2Block", block_fast,
+                   f"fused residual+LayerNorm (pre-LN), bias+{spec.act or 'HF activation'}")
+
+
+register_adapter(Adapter("gpt2", patch_gpt2), "gpt2")

@@ -1,0 +1,24 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+# Tolerances per dtype, stated once: fp32 kernels agree with references to rounding.
+TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def pytest_configure(config):
+    # Build (or load from cache) before tests start timing, and fail loudly if the build broke.
+    from lightgen import _build
+
+    status = _build.load()
+    if not status.compiled and os.environ.get("LIGHTGEN_DISABLE_EXT") != "1":
+        raise pytest.UsageError(f"lightgen kernels did not build: {status.reason}")
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def dtype(request):
+    return request.param

@@ -1,0 +1,86 @@
+"""Tiny random-weight models built from configs, one per supported family (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+VOCAB = 97
+
+
+def _seq2seq_config(cls, **extra):
+    return cls(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=64,
+               pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, **extra)
+
+
+SEQ2SEQ = ("bart", "mbart", "marian")
+
+BUILDERS = {
+    "bart": lambda: tf.BartForConditionalGeneration(_seq2seq_config(tf.BartConfig, activation_function="gelu")),
+    "mbart": lambda: tf.MBartForConditionalGeneration(_seq2seq_config(tf.MBartConfig, activation_function="gelu")),
+    "marian": lambda: tf.MarianMTModel(_seq2seq_config(tf.MarianConfig, activation_function="swish",
+                                                       scale_embedding=True)),
+    "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                                    pad_token_id=0)),
+    "bert": lambda: tf.BertModel(tf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                               num_attention_heads=4, intermediate_size=48,
+                                               max_position_embeddings=64)),
+    "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                        num_attention_heads=4, num_key_value_heads=2,
+                                                        intermediate_size=48, max_position_embeddings=64,
+                                                        pad_token_id=0)),
+    "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                              num_attention_heads=4, num_key_value_heads=1,
+                                                              intermediate_size=48, max_position_embeddings=64,
+                                                              pad_token_id=0, sliding_window=None)),
+    "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                        num_attention_heads=4, num_key_value_heads=2,
+                                                        intermediate_size=48, max_position_embeddings=64,
+                                                        pad_token_id=0)),
+}
+
+
+def build(family: str, seed: int = 0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    model = BUILDERS[family]().eval().to(dtype)
+    # Random init leaves LayerNorm at identity; perturb every parameter so norms are really tested.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    return model
+
+
+def padded_batch(family: str, batch: int, length: int, seed: int = 0, left_pad: bool | None = None):
+    """Random ids with ragged lengths; decoder-only families pad on the left, others on the right."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=gen)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if left_pad is None:
+        left_pad = family in ("gpt2", "llama", "mistral", "qwen2")
+    for row in range(1, batch):
+        pad = int(torch.randint(0, length // 2 + 1, (1,), generator=gen))
+        if pad:
+            if left_pad:
+                mask[row, :pad] = 0
+                ids[row, :pad] = 0 if family != "bert" else 0
+            else:
+                mask[row, length - pad:] = 0
+                ids[row, length - pad:] = 1
+    return ids, mask
+
+
+def forward_logits(model, family, ids, mask, **extra):
+    kwargs = dict(input_ids=ids, attention_mask=mask, **extra)
+    if family in SEQ2SEQ and "decoder_input_ids" not in extra:
+        kwargs["decoder_input_ids"] = ids[:, : max(1, ids.shape[1] // 2)]
+    with torch.no_grad():
+        out = model(**kwargs)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def valid_positions(family, mask, out):
+    # Padded query positions of encoder-only/decoder-only models carry no meaning; compare the rest.
+    if family in SEQ2SEQ:
+        return torch.ones(out.shape[:2], dtype=torch.bool)
+    return mask.bool()

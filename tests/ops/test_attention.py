@@ -1,0 +1,111 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TOLERANCES
+
+from lightgen import ops
+
+
+def _qkv(batch, q_heads, kv_heads, q_len, max_len, dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
+    return (make(batch, q_heads, q_len, dim), make(batch, kv_heads, max_len, dim), make(batch, kv_heads, max_len, dim),
+            make(batch, kv_heads, q_len, dim), make(batch, kv_heads, q_len, dim))
+
+
+CASES = [  # batch, q_heads, kv_heads, q_len, max_len, dim
+    (1, 1, 1, 1, 1, 8),
+    (1, 8, 8, 1, 64, 64),
+    (3, 4, 2, 1, 17, 32),
+    (2, 4, 1, 5, 23, 16),
+    (4, 6, 3, 7, 40, 24),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_cached_step_writes_kv_and_matches_reference(case, causal, dtype):
+    batch, q_heads, kv_heads, q_len, max_len, dim = case
+    q, k_cache, v_cache, k_new, v_new = _qkv(*case, dtype)
+    cache_pos = torch.tensor([(max_len - q_len) * row // max(batch - 1, 1) for row in range(batch)])
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    out = ops.attention(q, k_cache, v_cache, k_new, v_new, cache_pos, None, 0.3, causal)
+    expected = ops.attention_ref(q, k_ref, v_ref, k_new, v_new, cache_pos, None, 0.3, causal)
+    torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    for row, start in enumerate(cache_pos.tolist()):
+        torch.testing.assert_close(k_cache[row, :, start:start + q_len], k_new[row], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool4d", "float4d", "padding2d", "broadcast_query"])
+def test_masks_match_sdpa(mask_kind):
+    batch, heads, q_len, keys, dim = 3, 4, 6, 6, 16
+    q, k, v, _, _ = _qkv(batch, heads, heads, q_len, keys, dim, torch.float32, seed=1)
+    keep = torch.rand(batch, 1, q_len, keys, generator=torch.Generator().manual_seed(2)) > 0.3
+    keep[..., 0] = True  # every query sees at least one key
+    if mask_kind == "bool4d":
+        mask, sdpa_mask = keep, keep
+    elif mask_kind == "float4d":
+        mask = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+        sdpa_mask = mask
+    elif mask_kind == "padding2d":
+        mask = keep[:, 0, 0, :]
+        sdpa_mask = mask[:, None, None, :]
+    else:
+        mask = keep[:, :, :1, :]
+        sdpa_mask = mask
+    out = ops.attention(q, k, v, mask=mask, scale=0.25)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, scale=0.25).transpose(1, 2)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_len", [1, 9, 64])
+def test_prefill_causal_matches_sdpa_with_gqa(q_len):
+    q, k, v, _, _ = _qkv(2, 8, 2, q_len, q_len, 32, torch.float32, seed=3)
+    out = ops.attention(q, k, v, causal=True)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fully_masked_query_gives_zeros():
+    q, k, v, _, _ = _qkv(1, 2, 2, 2, 4, 8, torch.float32)
+    mask = torch.tensor([[[[False] * 4, [True] * 4]]])
+    out = ops.attention(q, k, v, mask=mask)
+    assert torch.equal(out[0, 0], torch.zeros(2, 8))
+    torch.testing.assert_close(out, ops.attention_ref(q, k, v, None, None, None, mask, 8 ** -0.5, False))
+
+
+def test_strided_query_from_transpose():
+    base = torch.randn(2, 5, 4, 16)  # [B, T, H, D] as projections produce it
+    q = base.transpose(1, 2)
+    k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 4, 5, 16)
+    torch.testing.assert_close(ops.attention(q, k, v, causal=True),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(cache_pos=torch.tensor([15])), "cache overflow"),
+        (dict(cache_pos=torch.tensor([0, 1])), "'cache_pos' must be int64 \\[B\\]"),
+        (dict(mask=torch.ones(1, 1, 2, 5, dtype=torch.bool)), "'mask' must cover all 16 cached keys"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(kwargs, message):
+    q, k, v, k_new, v_new = _qkv(1, 2, 2, 2, 16, 8, torch.float32)
+    with pytest.raises(RuntimeError, match=message):
+        ops.attention(q, k, v, k_new, v_new, **kwargs)
+
+
+def test_head_mismatch_error():
+    q, k, v, _, _ = _qkv(1, 3, 2, 1, 4, 8, torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of key/value heads"):
+        ops.attention(q, k, v)
+
+
+def test_opcheck_including_in_place_cache_write():
+    q, k, v, k_new, v_new = _qkv(2, 4, 2, 3, 10, 8, torch.float32)
+    attention = torch.ops.lightgen.attention.default
+    torch.library.opcheck(attention, (q, k, v, k_new, v_new, torch.tensor([0, 4]), None, 0.5, True))
+    torch.library.opcheck(attention, (q, k, v, None, None, None, torch.ones(2, 10, dtype=torch.bool), 0.5, False))

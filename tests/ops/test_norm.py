@@ -1,0 +1,77 @@
+import pytest
+import torch
+from conftest import TOLERANCES
+
+from lightgen import ops
+
+SHAPES = [(1, 1, 8), (1, 1, 512), (3, 7, 33), (2, 5, 1000), (64, 768), (4, 1, 1)]
+
+
+def _inputs(shape, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * 3 + 1).to(dtype)
+    residual = torch.randn(shape, generator=gen).to(dtype)
+    weight = torch.randn(shape[-1], generator=gen).to(dtype)
+    bias = torch.randn(shape[-1], generator=gen).to(dtype)
+    return x, residual, weight, bias
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_layer_norm_matches_reference(shape, with_bias, dtype):
+    x, _, weight, bias = _inputs(shape, dtype)
+    bias = bias if with_bias else None
+    torch.testing.assert_close(ops.layer_norm(x, weight, bias, 1e-5), ops.layer_norm_ref(x, weight, bias, 1e-5),
+                               **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_add_layer_norm_returns_sum_and_norm(shape, dtype):
+    x, residual, weight, bias = _inputs(shape, dtype, seed=1)
+    total, normed = ops.add_layer_norm(x, residual, weight, bias, 1e-6)
+    ref_total, ref_normed = ops.add_layer_norm_ref(x, residual, weight, bias, 1e-6)
+    torch.testing.assert_close(total, ref_total, atol=0, rtol=0)
+    torch.testing.assert_close(normed, ref_normed, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norms_match_reference(shape, dtype):
+    x, residual, weight, _ = _inputs(shape, dtype, seed=2)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), ops.rms_norm_ref(x, weight, 1e-6), **TOLERANCES[dtype])
+    total, normed = ops.add_rms_norm(x, residual, weight, 1e-6)
+    ref_total, ref_normed = ops.add_rms_norm_ref(x, residual, weight, 1e-6)
+    torch.testing.assert_close(total, ref_total, atol=0, rtol=0)
+    torch.testing.assert_close(normed, ref_normed, **TOLERANCES[dtype])
+
+
+def test_non_contiguous_input_is_accepted():
+    x = torch.randn(6, 40)[:, ::2]
+    weight, bias = torch.randn(20), torch.randn(20)
+    torch.testing.assert_close(ops.layer_norm(x, weight, bias, 1e-5), ops.layer_norm_ref(x, weight, bias, 1e-5))
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: ops.layer_norm(torch.randn(2, 8), torch.randn(7), None, 1e-5), "'weight' must have shape"),
+        (lambda: ops.layer_norm(torch.randn(2, 8), torch.randn(8).double(), None, 1e-5), "must share a dtype"),
+        (lambda: ops.layer_norm(torch.arange(8).view(1, 8), torch.ones(8).long(), None, 1e-5), "must be float32"),
+        (lambda: ops.add_layer_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), None, 1e-5),
+         "'residual' must have the shape"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm"])
+def test_opcheck(name):
+    x, residual, weight, bias = _inputs((3, 5, 16), torch.float32)
+    args = {
+        "layer_norm": (x, weight, bias, 1e-5),
+        "add_layer_norm": (x, residual, weight, bias, 1e-5),
+        "rms_norm": (x, weight, 1e-6),
+        "add_rms_norm": (x, residual, weight, 1e-6),
+    }[name]
+    torch.library.opcheck(getattr(torch.ops.lightgen, name).default, args)
