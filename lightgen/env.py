@@ -1,0 +1,71 @@
+"""``python -m lightgen.env``: what lightgen can run here and why (versions, threads, ISA, each op)."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def report() -> dict:
+    import transformers
+
+    from lightgen import __version__, _build
+
+    status = _build.load()
+    cuda = torch.cuda.is_available()
+    ops = {}
+    for name in status.ops:
+        cpu = "compiled" if status.compiled else f"reference fallback ({status.reason})"
+        gpu = "reference fallback (no CUDA kernels in this version)" if cuda else "n/a (no CUDA device)"
+        ops[name] = {"cpu": cpu, "cuda": gpu}
+    return {
+        "lightgen": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu": _cpu_model(),
+        "isa": status.isa,
+        "threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda if cuda else None,
+        "kernels_compiled": status.compiled,
+        "build_seconds": round(status.build_seconds, 1),
+        "build_log": status.log_path,
+        "library": status.library_path,
+        "ops": ops,
+    }
+
+
+def format_report(info: dict) -> str:
+    lines = [
+        f"lightgen {info['lightgen']}  python {info['python']}  torch {info['torch']}  "
+        f"transformers {info['transformers']}",
+        f"cpu: {info['cpu']}  isa: {info['isa']}  threads: {info['threads']}  cuda: {info['cuda'] or 'none'}",
+        f"kernels: {'compiled' if info['kernels_compiled'] else 'NOT compiled'}"
+        + (f" (build {info['build_seconds']} s, 0 s when cached)" if info["kernels_compiled"] else "")
+        + f"  log: {info['build_log'] or '-'}",
+        "",
+        f"{'op':<16} {'cpu':<40} cuda",
+    ]
+    for name, where in info["ops"].items():
+        lines.append(f"{name:<16} {where['cpu']:<40} {where['cuda']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    print(format_report(report()))
+
+
+if __name__ == "__main__":
+    main()
