@@ -306,6 +306,37 @@ def model_row(settings: Settings) -> Row:
 # Reporting
 
 
+def machine_busy_seconds() -> float | None:
+    """CPU seconds the whole machine has spent busy (or stolen by the hypervisor) since boot."""
+    try:
+        fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class ContentionMeter:
+    """Share of the machine's CPU capacity that other processes used while we were timing.
+
+    On a shared machine a busy neighbour delays every multi-threaded op by whole scheduler ticks,
+    so the report says how quiet the machine was instead of leaving the reader to guess.
+    """
+
+    def __init__(self):
+        self.machine_start = machine_busy_seconds()
+        self.own_start = time.process_time()
+        self.wall_start = time.perf_counter()
+
+    def others_share(self) -> float | None:
+        machine_end = machine_busy_seconds()
+        if self.machine_start is None or machine_end is None:
+            return None
+        others = (machine_end - self.machine_start) - (time.process_time() - self.own_start)
+        capacity = (time.perf_counter() - self.wall_start) * (os.cpu_count() or 1)
+        return max(0.0, others / capacity)
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -342,8 +373,15 @@ def environment(status: _build.BuildStatus, quick: bool) -> dict:
     }
 
 
+CONTENTION_WARNING = 0.10  # above this share of the CPUs used by others, timings are suspect
+
+
 def format_us(timing: Timing | None) -> str:
     return f"{timing.median_us:,.1f}" if timing else "–"
+
+
+def format_share(share: float | None) -> str:
+    return f"{share:.0%}" if share is not None else "an unknown share"
 
 
 def format_speedup(speedup: float | None) -> str:
@@ -359,7 +397,10 @@ def markdown(env: dict, settings: Settings, rows: list[Row]) -> str:
         f"- torch {env['torch']}, transformers {env['transformers']}, lightgen {env['lightgen']} "
         f"(commit {env['git_commit'] or 'unknown'}), python {env['python']}",
         f"- {env['mode']} mode, fp32, no_grad; median of {settings.samples} interleaved samples, "
-        f"each ≥ {settings.min_sample_s * 1e3:g} ms of back-to-back calls",
+        f"each ≥ {settings.min_sample_s * 1e3:g} ms of back-to-back calls; {env['timing_seconds']:.0f} s of timing",
+        f"- other processes used {format_share(env['others_cpu_share'])} of the CPUs while timing"
+        + (" — **busy machine: multi-threaded timings are unreliable, rerun when it is quiet**"
+           if (env["others_cpu_share"] or 0) > CONTENTION_WARNING else ""),
         "- native: the single ATen op, where one exists that is not already the composite "
         "(layer_norm's eager composite is the native F.layer_norm itself)",
         "",
@@ -421,8 +462,11 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         cases = all_cases()
         print(f"checking and timing {len(cases)} op cases and a BART forward...", file=sys.stderr)
+        contention = ContentionMeter()
         rows = [check_and_time(case, settings) for case in cases]
         rows.append(model_row(settings))
+        env["others_cpu_share"] = contention.others_share()
+        env["timing_seconds"] = time.perf_counter() - contention.wall_start
 
     print(markdown(env, settings, rows))
     args.out.mkdir(parents=True, exist_ok=True)
