@@ -11,6 +11,7 @@ number. Prints a markdown table and writes <out>/kernels.json and (with matplotl
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import math
@@ -36,6 +37,7 @@ EPS = 1e-5
 HIDDEN, FFN, VOCAB = 512, 2048, 32000
 DECODE_ROWS = (1, 8, 32)  # batch sizes of a one-token decode step
 PREFILL_ROWS = 8 * 64  # batch 8 x 64 tokens
+ROWS = (*DECODE_ROWS, PREFILL_ROWS)
 HEADS, HEAD_DIM = 8, HIDDEN // 8
 NATIVE_RMS_NORM = getattr(F, "rms_norm", None)  # added in torch 2.4
 
@@ -44,11 +46,15 @@ NATIVE_RMS_NORM = getattr(F, "rms_norm", None)  # added in torch 2.4
 class Settings:
     samples: int  # timed samples per function; the median is reported
     min_sample_s: float  # calls are batched so one sample lasts at least this long
+    max_measure_s: float  # sampling stops early past this, so a busy machine cannot stretch the run
     model_layers: int  # encoder and decoder layers of the BART model
 
 
-FULL = Settings(samples=61, min_sample_s=3e-3, model_layers=6)
-QUICK = Settings(samples=9, min_sample_s=1e-3, model_layers=2)
+FULL = Settings(samples=61, min_sample_s=10e-3, max_measure_s=3.0, model_layers=6)
+QUICK = Settings(samples=9, min_sample_s=1e-3, max_measure_s=0.5, model_layers=2)
+MIN_SAMPLES = 5  # a median needs a few samples even when the time cap is hit
+NOISY_SPREAD = 0.2  # interquartile range above this fraction of the median marks a timing as noisy
+CONTENTION_WARNING = 0.1  # above this share of the CPUs used by other processes, timings are suspect
 
 
 @dataclasses.dataclass
@@ -58,6 +64,10 @@ class Timing:
     p75_us: float
     calls_per_sample: int
     samples: int
+
+    @property
+    def noisy(self) -> bool:
+        return self.p75_us - self.p25_us > NOISY_SPREAD * self.median_us
 
 
 @dataclasses.dataclass
@@ -90,7 +100,7 @@ class Row:
 # Timing
 
 
-def _calls_per_sample(fn: Callable[[], object], min_sample_s: float) -> int:
+def calls_per_sample(fn: Callable[[], object], min_sample_s: float) -> int:
     """Warm ``fn`` up, then return how many calls make one sample last ``min_sample_s``."""
     calls, start = 0, time.perf_counter()
     while calls < 3 or time.perf_counter() - start < min_sample_s:
@@ -106,9 +116,12 @@ def measure(fns: dict[str, Callable[[], object]], settings: Settings) -> dict[st
     The functions are sampled in turn, so frequency changes or a noisy neighbour hit all of them
     alike instead of skewing whichever ran during the disturbance.
     """
-    calls = {name: _calls_per_sample(fn, settings.min_sample_s) for name, fn in fns.items()}
+    calls = {name: calls_per_sample(fn, settings.min_sample_s) for name, fn in fns.items()}
     per_call_us: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(settings.samples):
+    deadline = time.perf_counter() + settings.max_measure_s
+    for sample in range(settings.samples):
+        if sample >= MIN_SAMPLES and time.perf_counter() > deadline:
+            break
         for name, fn in fns.items():
             start = time.perf_counter()
             for _ in range(calls[name]):
@@ -119,6 +132,23 @@ def measure(fns: dict[str, Callable[[], object]], settings: Settings) -> dict[st
         quartiles = statistics.quantiles(values, n=4)
         timings[name] = Timing(statistics.median(values), quartiles[0], quartiles[2], calls[name], len(values))
     return timings
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed tensors' memory instead of handing it back to the kernel.
+
+    By default a freed multi-MB tensor is unmapped or trimmed off the heap, so the next call
+    page-faults its output in again; on a VM those faults can cost as much as the op, and whether
+    they happen depends on the heap's history, which made large-shape timings jump between runs.
+    A long-running model reaches the same fault-free steady state through glibc's adaptive
+    thresholds; this reaches it at once. Returns False where the C library has no ``mallopt``.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    return bool(mallopt(m_mmap_threshold, 32 << 20) and mallopt(m_trim_threshold, 1 << 30))
 
 
 def check_and_time(case: Case, settings: Settings) -> Row:
@@ -154,10 +184,6 @@ def eager_attention(q, k, v, scale, additive_mask=None):
 def sdpa_attention(q, k, v, scale, causal=False):
     # The transpose is part of what HF's sdpa path runs, and gives lightgen's output layout.
     return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=causal).transpose(1, 2).contiguous()
-
-
-def all_rows() -> tuple[int, ...]:
-    return (*DECODE_ROWS, PREFILL_ROWS)
 
 
 def norm_cases_for(rows: int, weight: torch.Tensor, bias: torch.Tensor) -> list[Case]:
@@ -221,9 +247,10 @@ def decode_attention_case(batch: int, past: int) -> Case:
         keys, values = torch.cat([k_past, k_new], dim=2), torch.cat([v_past, v_new], dim=2)
         return eager_attention(q, keys, values, scale)
 
-    def native():
-        k_cache[:, :, past : past + 1], v_cache[:, :, past : past + 1] = k_new, v_new
-        return sdpa_attention(q, k_cache[:, :, : past + 1], v_cache[:, :, : past + 1], scale)
+    def native():  # a static cache + sdpa: write the new slot, attend over the filled prefix
+        k_cache[:, :, past], v_cache[:, :, past] = k_new[:, :, 0], v_new[:, :, 0]
+        filled = past + 1
+        return sdpa_attention(q, k_cache[:, :, :filled], v_cache[:, :, :filled], scale)
 
     return Case("attention decode", f"B={batch} H={HEADS} D={HEAD_DIM} past={past}",
                 lambda: ops.attention(q, k_cache, v_cache, k_new, v_new, cache_pos, None, scale, False),
@@ -258,7 +285,7 @@ def all_cases() -> list[Case]:
     norm_weight, norm_bias, ffn_bias = torch.randn(HIDDEN), torch.randn(HIDDEN), torch.randn(FFN)
     embedding_weight = torch.randn(VOCAB, HIDDEN)
     cases = []
-    for rows in all_rows():
+    for rows in ROWS:
         cases += norm_cases_for(rows, norm_weight, norm_bias) + activation_cases_for(rows, ffn_bias)
         cases.append(embedding_case(rows, embedding_weight))
     cases += attention_cases()
@@ -356,7 +383,7 @@ def git_commit() -> str | None:
     return result.stdout.strip() if result.returncode == 0 else None
 
 
-def environment(status: _build.BuildStatus, quick: bool) -> dict:
+def environment(status: _build.BuildStatus, quick: bool, malloc_tuned: bool) -> dict:
     return {
         "cpu": cpu_model(),
         "logical_cpus": os.cpu_count(),
@@ -370,14 +397,14 @@ def environment(status: _build.BuildStatus, quick: bool) -> dict:
         "git_commit": git_commit(),
         "mode": "quick" if quick else "full",
         "dtype": "float32",
+        "malloc_keeps_freed_memory": malloc_tuned,
     }
 
 
-CONTENTION_WARNING = 0.10  # above this share of the CPUs used by others, timings are suspect
-
-
 def format_us(timing: Timing | None) -> str:
-    return f"{timing.median_us:,.1f}" if timing else "–"
+    if timing is None:
+        return "–"
+    return f"{timing.median_us:,.1f}{' †' if timing.noisy else ''}"
 
 
 def format_share(share: float | None) -> str:
@@ -396,13 +423,18 @@ def markdown(env: dict, settings: Settings, rows: list[Row]) -> str:
         f"ATen CPU capability: {env['cpu_capability']}",
         f"- torch {env['torch']}, transformers {env['transformers']}, lightgen {env['lightgen']} "
         f"(commit {env['git_commit'] or 'unknown'}), python {env['python']}",
-        f"- {env['mode']} mode, fp32, no_grad; median of {settings.samples} interleaved samples, "
-        f"each ≥ {settings.min_sample_s * 1e3:g} ms of back-to-back calls; {env['timing_seconds']:.0f} s of timing",
+        f"- {env['mode']} mode, fp32, no_grad; median of up to {settings.samples} interleaved samples "
+        f"({settings.max_measure_s:g} s cap per case), each ≥ {settings.min_sample_s * 1e3:g} ms of back-to-back "
+        f"calls; {env['timing_seconds']:.0f} s of timing",
+        "- allocator: " + ("glibc keeps freed memory, so large outputs do not page-fault on every call"
+                           if env["malloc_keeps_freed_memory"] else "default settings (no mallopt)"),
         f"- other processes used {format_share(env['others_cpu_share'])} of the CPUs while timing"
         + (" — **busy machine: multi-threaded timings are unreliable, rerun when it is quiet**"
            if (env["others_cpu_share"] or 0) > CONTENTION_WARNING else ""),
         "- native: the single ATen op, where one exists that is not already the composite "
         "(layer_norm's eager composite is the native F.layer_norm itself)",
+        f"- † noisy: the interquartile range exceeds {NOISY_SPREAD:.0%} of the median (samples and quartiles are "
+        "in kernels.json)",
         "",
         "| op | shape | lightgen µs | eager composite µs | native µs | speedup vs composite | speedup vs native |",
         "|---|---|--:|--:|--:|--:|--:|",
@@ -434,6 +466,7 @@ def write_chart(path: Path, env: dict, rows: list[Row]) -> bool:
     fig, ax = plt.subplots(figsize=(10, 0.28 * len(rows) + 1.5))
     ax.barh(labels, speedups, color=["tab:green" if s >= 1 else "tab:red" for s in speedups])
     ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.margins(y=0.01)
     ax.invert_yaxis()  # same order as the table
     ax.set_xlabel("speedup vs eager composite (×)")
     ax.set_title(f"lightgen fp32 kernels vs eager PyTorch\n{env['cpu']}, {env['torch_threads']} threads, "
@@ -457,7 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     if not status.compiled:  # timing the pure-PyTorch fallbacks would say nothing about the kernels
         sys.exit(f"lightgen kernels are not compiled ({status.reason}); nothing to benchmark")
     torch.manual_seed(0)
-    env = environment(status, args.quick)
+    env = environment(status, args.quick, keep_freed_memory())
 
     with torch.no_grad():
         cases = all_cases()

@@ -53,7 +53,7 @@ def format_report(info: dict) -> str:
         f"transformers {info['transformers']}",
         f"cpu: {info['cpu']}  isa: {info['isa']}  threads: {info['threads']}  cuda: {info['cuda'] or 'none'}",
         f"kernels: {'compiled' if info['kernels_compiled'] else 'NOT compiled'}"
-        + (f" (build {info['build_seconds']} s, 0 s when cached)" if info["kernels_compiled"] else "")
+        + (f" (built or loaded from cache in {info['build_seconds']} s)" if info["kernels_compiled"] else "")
         + f"  log: {info['build_log'] or '-'}",
         "",
         f"{'op':<16} {'cpu':<40} cuda",

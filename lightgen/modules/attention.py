@@ -2,8 +2,10 @@
 
 Registered as implementation "lightgen" (with sdpa's boolean masks), so every HF attention module
 that dispatches through ALL_ATTENTION_FUNCTIONS runs ``ops.attention`` without being patched.
-Cases the op does not cover (attention weights requested, dropout in training, soft-capping,
-sliding windows, position biases) go to the sdpa/eager functions they came from.
+Prefill (more than one query) goes to PyTorch's SDPA: its blocked matmuls beat our per-query
+kernel there (0.4-0.7x measured in benchmarks/kernels.py), while decode steps are where the fused
+kernel wins (1.2-1.9x over SDPA). Cases the op does not cover (attention weights requested, dropout in
+training, soft-capping, sliding windows, position biases) also go to the sdpa/eager functions.
 """
 
 from __future__ import annotations
@@ -26,17 +28,17 @@ def lightgen_attention_forward(module, query, key, value, attention_mask, scalin
     if kwargs.get("output_attentions"):
         return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                        dropout=dropout, **kwargs)
-    # No autograd in lightgen's kernels: anything that records gradients takes sdpa.
-    if module.training or torch.is_grad_enabled() or any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS):
+    # Prefill, and anything that records gradients (our kernels have no autograd), take sdpa.
+    prefill = query.shape[-2] > 1
+    unsupported = any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS)
+    if prefill or module.training or torch.is_grad_enabled() or unsupported:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     key_len = key.shape[-2]
     if attention_mask is not None:
         attention_mask = attention_mask[..., :key_len]
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    # As in sdpa: an explicit mask already encodes causality; a single query sees every key.
-    causal = bool(causal) and attention_mask is None and query.shape[-2] > 1
-    out = ops.attention(query, key, value, mask=attention_mask, scale=scaling, causal=causal)
+    # A single query sees every key it is not masked from: no causal window needed.
+    out = ops.attention(query, key, value, mask=attention_mask, scale=scaling)
     return out, None
 
 

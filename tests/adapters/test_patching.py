@@ -70,7 +70,7 @@ def test_attention_runs_through_lightgen(monkeypatch):
     original = lg_attention.ops.attention
     monkeypatch.setattr(lg_attention.ops, "attention", lambda *a, **k: calls.append(1) or original(*a, **k))
     model = lightgen.accelerate_model(build("llama"))
-    ids, mask = padded_batch("llama", 2, 5)
+    ids, mask = padded_batch("llama", 2, 1)  # one query per row: a decode-shaped call
     forward_logits(model, "llama", ids, mask)
     assert model.config._attn_implementation == "lightgen"
     assert len(calls) == model.config.num_hidden_layers

@@ -11,68 +11,78 @@ using at::Tensor;
 constexpr float kSqrt1_2 = 0.70710678118654752440f;
 constexpr float kSqrt2OverPi = 0.79788456080286535588f;
 
-inline fVec apply_act(Act act, fVec x) {
-  switch (act) {
-    case Act::kGelu:
-      return x * fVec(0.5f) * (fVec(1.f) + (x * fVec(kSqrt1_2)).erf());
-    case Act::kGeluTanh: {
-      fVec inner = fVec(kSqrt2OverPi) * (x + fVec(0.044715f) * x * x * x);
-      return fVec(0.5f) * x * (fVec(1.f) + inner.tanh());
-    }
-    case Act::kRelu:
-      return at::vec::clamp_min(x, fVec(0.f));
-    case Act::kSilu:
-      return x / (fVec(1.f) + x.neg().exp());
-    case Act::kNone:
-      return x;
+template <Act act>
+inline fVec apply_act(fVec x) {
+  if constexpr (act == Act::kGelu) {
+    return x * fVec(0.5f) * (fVec(1.f) + (x * fVec(kSqrt1_2)).erf());
+  } else if constexpr (act == Act::kGeluTanh) {
+    fVec inner = fVec(kSqrt2OverPi) * (x + fVec(0.044715f) * x * x * x);
+    return fVec(0.5f) * x * (fVec(1.f) + inner.tanh());
+  } else if constexpr (act == Act::kRelu) {
+    return at::vec::clamp_min(x, fVec(0.f));
+  } else if constexpr (act == Act::kSilu) {
+    return x / (fVec(1.f) + x.neg().exp());
+  } else {
+    return x;
   }
-  return x;
 }
 
-inline float apply_act(Act act, float x) {
-  switch (act) {
-    case Act::kGelu:
-      return x * 0.5f * (1.f + std::erf(x * kSqrt1_2));
-    case Act::kGeluTanh:
-      return 0.5f * x * (1.f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x)));
-    case Act::kRelu:
-      return x > 0.f ? x : 0.f;
-    case Act::kSilu:
-      return x / (1.f + std::exp(-x));
-    case Act::kNone:
-      return x;
-  }
-  return x;
-}
-
-// out[r, :] = act(x[r, :] + bias) (bias may be null), or act(x) * up when `up` is given.
+// Load/store n <= fVec::size() elements as floats; float rows need no staging.
 template <typename scalar_t>
-void act_rows(Act act, const Tensor& x, const float* bias, const Tensor* up, Tensor& out) {
+inline fVec load_floats(const scalar_t* p, int64_t n) {
+  float tmp[fVec::size()];
+  for (int64_t i = 0; i < n; ++i) tmp[i] = static_cast<float>(p[i]);
+  return fVec::loadu(tmp, n);
+}
+template <>
+inline fVec load_floats<float>(const float* p, int64_t n) {
+  return n == fVec::size() ? fVec::loadu(p) : fVec::loadu(p, n);
+}
+
+template <typename scalar_t>
+inline void store_floats(const fVec& v, scalar_t* p, int64_t n) {
+  float tmp[fVec::size()];
+  v.store(tmp, n);
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<scalar_t>(tmp[i]);
+}
+template <>
+inline void store_floats<float>(const fVec& v, float* p, int64_t n) {
+  if (n == fVec::size()) v.store(p); else v.store(p, n);
+}
+
+// out[r, :] = act(x[r, :] + bias), or act(x) * up; the activation and the optional operands are
+// compile-time so the inner loop is branch-free.
+template <typename scalar_t, Act act, bool has_bias, bool gated>
+void act_rows(const Tensor& x, const float* bias, const Tensor* up, Tensor& out) {
   const int64_t c = x.size(-1);
-  const int64_t rows = x.numel() / c;
+  const int64_t n = x.numel();
   const scalar_t* xp = x.data_ptr<scalar_t>();
-  const scalar_t* up_p = up ? up->data_ptr<scalar_t>() : nullptr;
+  const scalar_t* up_p = gated ? up->data_ptr<scalar_t>() : nullptr;
   scalar_t* op = out.data_ptr<scalar_t>();
-  at::parallel_for(0, rows, row_grain(c), [&](int64_t begin, int64_t end) {
-    std::vector<float> xbuf, ubuf, obuf(c);
+  at::parallel_for(0, n / c, row_grain(c), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* xs = as_float(xp + r * c, c, xbuf);
-      const float* us = up_p ? as_float(up_p + r * c, c, ubuf) : nullptr;
-      int64_t i = 0;
-      for (; i + fVec::size() <= c; i += fVec::size()) {
-        fVec v = fVec::loadu(xs + i);
-        if (bias) v = v + fVec::loadu(bias + i);
-        v = apply_act(act, v);
-        if (us) v = v * fVec::loadu(us + i);
-        v.store(obuf.data() + i);
+      for (int64_t i = 0; i < c; i += fVec::size()) {
+        const int64_t len = std::min<int64_t>(fVec::size(), c - i);
+        const int64_t at = r * c + i;
+        fVec v = load_floats(xp + at, len);
+        if constexpr (has_bias) v = v + fVec::loadu(bias + i, len);
+        v = apply_act<act>(v);
+        if constexpr (gated) v = v * load_floats(up_p + at, len);
+        store_floats(v, op + at, len);
       }
-      for (; i < c; ++i) {
-        float v = apply_act(act, xs[i] + (bias ? bias[i] : 0.f));
-        obuf[i] = us ? v * us[i] : v;
-      }
-      store_row(obuf.data(), op + r * c, c);
     }
   });
+}
+
+template <typename scalar_t, bool has_bias, bool gated>
+void act_rows_for(Act act, const Tensor& x, const float* bias, const Tensor* up, Tensor& out) {
+  switch (act) {
+    case Act::kGelu: return act_rows<scalar_t, Act::kGelu, has_bias, gated>(x, bias, up, out);
+    case Act::kGeluTanh: return act_rows<scalar_t, Act::kGeluTanh, has_bias, gated>(x, bias, up, out);
+    case Act::kRelu: return act_rows<scalar_t, Act::kRelu, has_bias, gated>(x, bias, up, out);
+    case Act::kSilu: return act_rows<scalar_t, Act::kSilu, has_bias, gated>(x, bias, up, out);
+    case Act::kNone: return act_rows<scalar_t, Act::kNone, has_bias, gated>(x, bias, up, out);
+  }
 }
 
 // x: [..., C], bias: [C]
@@ -98,8 +108,11 @@ Tensor bias_act(const Tensor& x_in, const c10::optional<Tensor>& bias_in, c10::s
   Tensor out = at::empty_like(x);
   std::vector<float> bbuf;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), op, [&] {
-    const float* b = bias.defined() ? as_float(bias.data_ptr<scalar_t>(), x.size(-1), bbuf) : nullptr;
-    act_rows<scalar_t>(act, x, b, nullptr, out);
+    if (bias.defined()) {
+      act_rows_for<scalar_t, true, false>(act, x, as_float(bias.data_ptr<scalar_t>(), x.size(-1), bbuf), nullptr, out);
+    } else {
+      act_rows_for<scalar_t, false, false>(act, x, nullptr, nullptr, out);
+    }
   });
   return out;
 }
@@ -123,7 +136,7 @@ Tensor gated_act(const Tensor& gate_in, const Tensor& up_in, c10::string_view ac
   Tensor up = up_in.contiguous();
   Tensor out = at::empty_like(gate);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), op,
-                                  [&] { act_rows<scalar_t>(act, gate, nullptr, &up, out); });
+                                  [&] { act_rows_for<scalar_t, false, true>(act, gate, nullptr, &up, out); });
   return out;
 }
 
