@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Callable
 
 from torch import nn
 
 from lightgen.adapters._patch import Patcher
+from lightgen.generation import engine
 from lightgen.modules import attention as lg_attention
 from lightgen.modules.norm import norm_forward, norm_kind
 
@@ -23,6 +25,8 @@ class Adapter:
     family: str
     patch_layers: Callable[[nn.Module, Patcher], None]  # patches the family's transformer blocks
     attention_interface: bool = True  # the family's attention dispatches through AttentionInterface
+    # Builds the static-cache decoder step that lightgen's generate() runs (None: HF's generate loop).
+    decoder: Callable[[nn.Module], object] | None = None
 
 
 # model_type -> Adapter; filled by the family modules below.
@@ -77,6 +81,10 @@ def accelerate_model(model, **options):
         lg_attention.register()
         patcher.previous_attn_implementation = model.config._attn_implementation
         model.set_attn_implementation(lg_attention.IMPLEMENTATION)
+    decoder = adapter.decoder(model) if adapter.decoder else None
+    if decoder is not None:
+        patcher.set(model, engine.DECODER_ATTR, decoder)
+        patcher.set(model, "generate", types.MethodType(engine.accelerated_generate, model))
     patcher.set(model, PATCHER_ATTR, patcher)
     return model
 

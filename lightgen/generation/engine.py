@@ -1,0 +1,245 @@
+"""lightgen's decoding loops behind Hugging Face's own ``generate()``.
+
+``generate`` keeps HF's front half: argument merging with the model's ``generation_config``,
+special tokens, the encoder pass (on patched layers), input expansion for beams, the logits
+processors and stopping criteria. It hands us the prepared state through its official
+``custom_generate`` hook, and we run the loop on lightgen's static-cache decoder step. Because the
+processors, stopping criteria and beam bookkeeping are HF's own objects and helpers, the
+decisions are HF's; what changes is the model step and the memory it uses.
+
+Anything the loops do not cover falls back to HF's original method with one warning naming
+the reason (``LIGHTGEN_STRICT=1`` raises instead), so a result is never silently different.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import (
+    GENERATION_MODES_MAPPING,
+    GenerateBeamEncoderDecoderOutput,
+    GenerateEncoderDecoderOutput,
+    GenerationMixin,
+)
+
+from lightgen import _build
+
+DECODER_ATTR = "_lightgen_decoder"
+
+SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
+                   GenerationMode.BEAM_SAMPLE)
+
+# generate() arguments that need HF's own loop (they observe or replace model internals).
+HF_ONLY_ARGUMENTS = (
+    "streamer", "assistant_model", "assistant_tokenizer", "prompt_lookup_num_tokens", "synced_gpus",
+    "custom_generate", "inputs_embeds", "decoder_inputs_embeds", "decoder_attention_mask", "cache",
+    "past_key_values", "output_attentions", "output_hidden_states", "head_mask", "decoder_head_mask",
+    "cross_attn_head_mask", "cache_implementation",
+)
+
+# Keys HF leaves in model_kwargs that the lightgen loop understands (the rest mean a fallback).
+_KNOWN_MODEL_KWARGS = {"attention_mask", "encoder_outputs", "cache", "use_cache", "logits_to_keep"}
+
+
+class UnsupportedGenerateArgument(ValueError):
+    """LIGHTGEN_STRICT=1 and a generate() argument lightgen's engine does not implement."""
+
+
+def _fall_back(reason: str) -> None:
+    if _build.strict():
+        raise UnsupportedGenerateArgument(f"lightgen generate: {reason} (LIGHTGEN_STRICT=1 forbids HF's fallback)")
+    warnings.warn(f"lightgen generate: {reason}; running Hugging Face's own generate loop instead",
+                  RuntimeWarning, stacklevel=4)
+
+
+def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, **kwargs):
+    """``model.generate`` after ``accelerate_model``: HF's arguments and outputs, lightgen's loop."""
+    original = type(model).generate
+    for name in HF_ONLY_ARGUMENTS:
+        if kwargs.get(name) not in (None, False):
+            _fall_back(f"argument '{name}' is not supported by lightgen's engine")
+            return original(model, inputs, generation_config, **kwargs)
+    if kwargs.get("use_cache") is False:
+        _fall_back("use_cache=False is not supported by lightgen's engine")
+        return original(model, inputs, generation_config, **kwargs)
+    return original(model, inputs, generation_config, custom_generate=lightgen_decode, **kwargs)
+
+
+def _unsupported(generation_config, model_kwargs) -> str | None:
+    mode = generation_config.get_generation_mode()
+    if mode not in SUPPORTED_MODES:
+        return f"generation mode '{mode.value}' is not supported"
+    for flag in ("output_attentions", "output_hidden_states", "low_memory"):
+        if getattr(generation_config, flag, False):
+            return f"'{flag}=True' is not supported"
+    if generation_config.use_cache is False:
+        return "use_cache=False is not supported"
+    unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _KNOWN_MODEL_KWARGS)
+    if unknown:
+        return f"model inputs {unknown} are not supported"
+    return None
+
+
+def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+    """HF ``custom_generate`` callable: greedy, sampling and beam search on lightgen's decoder."""
+    reason = _unsupported(generation_config, model_kwargs)
+    if reason is not None:
+        _fall_back(reason)
+        hf_method = getattr(GenerationMixin, GENERATION_MODES_MAPPING[generation_config.get_generation_mode()])
+        return hf_method(model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                         generation_config=generation_config, synced_gpus=False, **model_kwargs)
+    decoder = getattr(model, DECODER_ATTR)
+    expand = max(generation_config.num_beams, generation_config.num_return_sequences)
+    encoder_hidden = model_kwargs["encoder_outputs"][0]
+    state = decoder.start(encoder_hidden, model_kwargs.get("attention_mask"), expand, generation_config.max_length)
+    try:
+        if generation_config.num_beams > 1:
+            return _beam_search(model, decoder, state, input_ids, logits_processor, stopping_criteria,
+                                generation_config)
+        return _greedy_or_sample(decoder, state, input_ids, logits_processor, stopping_criteria, generation_config)
+    finally:
+        state.release()
+
+
+def _greedy_or_sample(decoder, state, input_ids, logits_processor, stopping_criteria, generation_config):
+    """HF's ``_sample`` semantics: same processors, same RNG calls, same stopping and padding."""
+    rows, cur_len = input_ids.shape
+    pad_token_id = generation_config._pad_token_tensor
+    has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+    keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+    keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    scores = () if keep_scores else None
+    raw_logits = () if keep_logits else None
+
+    sequences = torch.empty((rows, generation_config.max_length), dtype=input_ids.dtype, device=input_ids.device)
+    sequences[:, :cur_len] = input_ids
+    unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
+    logits = decoder.step(state, input_ids)
+    while True:
+        next_token_scores = logits_processor(sequences[:, :cur_len], logits)
+        if keep_scores:
+            scores += (next_token_scores,)
+        if keep_logits:
+            raw_logits += (logits,)
+        if generation_config.do_sample:
+            next_tokens = torch.multinomial(nn.functional.softmax(next_token_scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            next_tokens = torch.argmax(next_token_scores, dim=-1)
+        if has_eos_stopping_criteria:
+            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+        sequences[:, cur_len] = next_tokens
+        cur_len += 1
+        unfinished = unfinished & ~stopping_criteria(sequences[:, :cur_len], scores)
+        if unfinished.max() == 0:
+            break
+        logits = decoder.step(state, next_tokens[:, None])
+
+    output = sequences[:, :cur_len]
+    if not generation_config.return_dict_in_generate:
+        return output
+    return GenerateEncoderDecoderOutput(sequences=output, scores=scores, logits=raw_logits)
+
+
+def _beam_search(model, decoder, state, input_ids, logits_processor, stopping_criteria, generation_config):
+    """HF's ``_beam_search`` bookkeeping (its own helpers), with lightgen's step and in-place cache reorder."""
+    pad_token_id = generation_config._pad_token_tensor
+    eos_token_id = generation_config._eos_token_tensor
+    keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+    keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    early_stopping = generation_config.early_stopping
+    length_penalty = generation_config.length_penalty
+    max_length = generation_config.max_length
+    num_beams = generation_config.num_beams
+    num_return_sequences = generation_config.num_return_sequences
+    device = input_ids.device
+
+    flat_rows, cur_len = input_ids.shape
+    batch_size = flat_rows // num_beams
+    decoder_prompt_len = cur_len
+    n_eos_tokens = eos_token_id.shape[0] if eos_token_id is not None else 0
+    beams_to_keep = max(2, 1 + n_eos_tokens) * num_beams
+    top_num_beam_mask = torch.zeros(beams_to_keep, dtype=torch.bool, device=device)
+    top_num_beam_mask[:num_beams] = True
+
+    all_scores = () if keep_scores else None
+    raw_logits = () if keep_logits else None
+    output_fill_value = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1
+    running_sequences = torch.full((batch_size, num_beams, max_length), fill_value=output_fill_value,
+                                   dtype=torch.int64, device=device)
+    running_sequences[:, :, :cur_len] = model._unflatten_beam_dim(input_ids, batch_size, num_beams)
+    sequences = running_sequences.clone()
+    running_beam_scores = torch.zeros((batch_size, num_beams), dtype=torch.float, device=device)
+    running_beam_scores[:, 1:] = -1e9
+    beam_scores = torch.full((batch_size, num_beams), fill_value=-1e9, dtype=torch.float, device=device)
+    is_sent_finished = torch.zeros((batch_size, num_beams), dtype=torch.bool, device=device)
+    is_early_stop_heuristic_unsatisfied = torch.ones((batch_size, 1), dtype=torch.bool, device=device)
+    running_beam_indices = torch.full((batch_size, num_beams, max_length - cur_len), fill_value=-1,
+                                      dtype=torch.int32, device=device)
+    beam_indices = running_beam_indices.clone()
+
+    flat_running_sequences = input_ids
+    logits = decoder.step(state, input_ids)
+    while True:
+        log_probs = nn.functional.log_softmax(logits, dim=-1)
+        log_probs = logits_processor(flat_running_sequences, log_probs)
+        if keep_logits:
+            raw_logits += (logits.clone(),)
+        if keep_scores:
+            all_scores += (log_probs.clone(),)
+        log_probs = model._unflatten_beam_dim(log_probs, batch_size, num_beams)
+        log_probs = (log_probs + running_beam_scores[:, :, None]).reshape(batch_size, -1)
+
+        topk_log_probs, topk_running_sequences, topk_running_beam_indices = model._get_top_k_continuations(
+            accumulated_log_probs=log_probs, running_sequences=running_sequences,
+            running_beam_indices=running_beam_indices, cur_len=cur_len, decoder_prompt_len=decoder_prompt_len,
+            do_sample=generation_config.do_sample, beams_to_keep=beams_to_keep, num_beams=num_beams,
+            batch_size=batch_size,
+        )
+        next_token_hits_stopping_criteria = stopping_criteria(
+            model._flatten_beam_dim(topk_running_sequences[:, :, : cur_len + 1]), all_scores)
+        next_token_hits_stopping_criteria = model._unflatten_beam_dim(
+            next_token_hits_stopping_criteria, batch_size, beams_to_keep)
+        running_sequences, running_beam_scores, running_beam_indices = model._get_running_beams_for_next_iteration(
+            topk_log_probs=topk_log_probs, topk_running_sequences=topk_running_sequences,
+            topk_running_beam_indices=topk_running_beam_indices,
+            next_token_hits_stopping_criteria=next_token_hits_stopping_criteria, num_beams=num_beams,
+        )
+        sequences, beam_scores, beam_indices, is_sent_finished = model._update_finished_beams(
+            sequences=sequences, topk_running_sequences=topk_running_sequences, beam_scores=beam_scores,
+            topk_log_probs=topk_log_probs, beam_indices=beam_indices,
+            topk_running_beam_indices=topk_running_beam_indices,
+            is_early_stop_heuristic_unsatisfied=is_early_stop_heuristic_unsatisfied,
+            is_sent_finished=is_sent_finished, next_token_hits_stopping_criteria=next_token_hits_stopping_criteria,
+            top_num_beam_mask=top_num_beam_mask, num_beams=num_beams, cur_len=cur_len,
+            decoder_prompt_len=decoder_prompt_len, length_penalty=length_penalty, early_stopping=early_stopping,
+        )
+        beam_idx = model._flatten_beam_dim(running_beam_indices[..., cur_len - decoder_prompt_len])
+        cur_len += 1
+        is_early_stop_heuristic_unsatisfied = model._check_early_stop_heuristic(
+            is_early_stop_heuristic_unsatisfied=is_early_stop_heuristic_unsatisfied,
+            running_beam_scores=running_beam_scores, beam_scores=beam_scores, is_sent_finished=is_sent_finished,
+            cur_len=cur_len, max_length=max_length, decoder_prompt_len=decoder_prompt_len,
+            early_stopping=early_stopping, length_penalty=length_penalty,
+        )
+        if not model._beam_search_has_unfinished_sequences(is_early_stop_heuristic_unsatisfied, is_sent_finished,
+                                                            next_token_hits_stopping_criteria, early_stopping):
+            break
+        state.cache.reorder(beam_idx.long())
+        flat_running_sequences = model._flatten_beam_dim(running_sequences[:, :, :cur_len])
+        logits = decoder.step(state, flat_running_sequences[:, -1:])
+
+    sequences = model._flatten_beam_dim(sequences[:, :num_return_sequences, :])
+    beam_scores = model._flatten_beam_dim(beam_scores[:, :num_return_sequences])
+    beam_indices = model._flatten_beam_dim(beam_indices[:, :num_return_sequences, :])
+    max_generated_length = ((beam_indices + 1).bool()).sum(dim=1).max()
+    output_length = decoder_prompt_len + max_generated_length
+    sequences = sequences[:, :output_length]
+    beam_indices = beam_indices[:, :max_generated_length]
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return GenerateBeamEncoderDecoderOutput(
+        sequences=sequences, sequences_scores=beam_scores if keep_scores else None, scores=all_scores,
+        logits=raw_logits, beam_indices=beam_indices)

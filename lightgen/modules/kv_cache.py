@@ -1,0 +1,75 @@
+"""Preallocated, reused generation memory.
+
+Buffers are checked out of a pool keyed by (shape, dtype, device) and returned when a request
+ends, so steady-state generation allocates nothing per step and memory stays flat across requests.
+A buffer is handed to one request at a time, so concurrent ``generate`` calls never share one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+import torch
+
+Key = tuple[tuple[int, ...], torch.dtype, torch.device]
+
+
+class BufferPool:
+    def __init__(self, max_free_per_key: int = 4) -> None:
+        self._free: dict[Key, list[torch.Tensor]] = defaultdict(list)
+        self._lock = threading.Lock()
+        self._max_free = max_free_per_key
+
+    def take(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        key = (tuple(shape), dtype, torch.device(device))
+        with self._lock:
+            free = self._free.get(key)
+            if free:
+                return free.pop()
+        return torch.empty(key[0], dtype=dtype, device=key[2])
+
+    def give_back(self, *tensors: torch.Tensor) -> None:
+        with self._lock:
+            for tensor in tensors:
+                free = self._free[(tuple(tensor.shape), tensor.dtype, tensor.device)]
+                if len(free) < self._max_free:
+                    free.append(tensor)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+POOL = BufferPool()
+
+
+class StaticKVCache:
+    """Self-attention K/V of every decoder layer, [rows, kv_heads, max_len, head_dim], written in place.
+
+    Beam reordering gathers into a second set of buffers and swaps (no allocation per step).
+    """
+
+    def __init__(self, layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int, dtype, device) -> None:
+        shape = (layers, rows, kv_heads, max_len, head_dim)
+        self.keys = POOL.take(shape, dtype, device)
+        self.values = POOL.take(shape, dtype, device)
+        self._spare_keys: torch.Tensor | None = None
+        self._spare_values: torch.Tensor | None = None
+        self.max_len = max_len
+        self.length = 0  # positions filled, shared by all rows
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        if self._spare_keys is None:
+            self._spare_keys = POOL.take(self.keys.shape, self.keys.dtype, self.keys.device)
+            self._spare_values = POOL.take(self.values.shape, self.values.dtype, self.values.device)
+        filled = slice(0, self.length)
+        torch.index_select(self.keys[:, :, :, filled], 1, rows, out=self._spare_keys[:, :, :, filled])
+        torch.index_select(self.values[:, :, :, filled], 1, rows, out=self._spare_values[:, :, :, filled])
+        self.keys, self._spare_keys = self._spare_keys, self.keys
+        self.values, self._spare_values = self._spare_values, self.values
+
+    def release(self) -> None:
+        spares = [t for t in (self._spare_keys, self._spare_values) if t is not None]
+        POOL.give_back(self.keys, self.values, *spares)
+        self._spare_keys = self._spare_values = None

@@ -1,0 +1,162 @@
+"""lightgen's generate() loop vs Hugging Face's, token for token (fp32, random-weight models)."""
+
+import copy
+import threading
+
+import pytest
+import torch
+from models import SEQ2SEQ, build, padded_batch
+
+import lightgen
+from lightgen.modules.decoder import Seq2SeqDecoder
+
+
+@pytest.fixture
+def step_counter(monkeypatch):
+    calls = []
+    original = Seq2SeqDecoder.step
+    monkeypatch.setattr(Seq2SeqDecoder, "step", lambda self, *a: calls.append(1) or original(self, *a))
+    return calls
+
+
+def _pair(family, seed):
+    model = build(family, seed=seed)
+    return lightgen.accelerate_model(copy.deepcopy(model)), model
+
+
+def _eos_from_greedy(reference, ids, mask, position=2):
+    """A token greedy decoding emits early, so that using it as EOS ends some rows early."""
+    out = reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=position + 1,
+                               min_new_tokens=position + 1, do_sample=False)
+    return int(out[0, position])
+
+
+GREEDY_AND_BEAM = [
+    dict(),
+    dict(min_new_tokens=5),
+    dict(repetition_penalty=1.3, no_repeat_ngram_size=2),
+    dict(bad_words_ids=[[5], [7, 8]], forced_bos_token_id=4, forced_eos_token_id=2),
+    dict(num_beams=2),
+    dict(num_beams=4, length_penalty=0.0, early_stopping="never"),
+    dict(num_beams=4, length_penalty=2.0, early_stopping=True),
+    dict(num_beams=3, length_penalty=-1.0, early_stopping=False, num_return_sequences=3),
+    dict(num_beams=4, no_repeat_ngram_size=3, num_return_sequences=2),
+]
+
+
+@pytest.mark.parametrize("family", SEQ2SEQ)
+@pytest.mark.parametrize("settings", GREEDY_AND_BEAM, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "greedy")
+@pytest.mark.parametrize("seed, batch, length", [(0, 1, 5), (1, 3, 9), (2, 5, 12)])
+def test_tokens_identical_to_hf(family, settings, seed, batch, length, step_counter):
+    accelerated, reference = _pair(family, seed)
+    ids, mask = padded_batch(family, batch, length, seed=seed)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, **settings)
+    expected = reference.generate(**kwargs)
+    got = accelerated.generate(**kwargs)
+    assert step_counter, "lightgen's decoder step did not run"
+    assert got.shape == expected.shape and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("family", SEQ2SEQ)
+@pytest.mark.parametrize("num_beams", [1, 4])
+@pytest.mark.parametrize("seed", [3, 4])
+def test_eos_early_and_scores_match(family, num_beams, seed):
+    accelerated, reference = _pair(family, seed)
+    ids, mask = padded_batch(family, 4, 8, seed=seed)
+    eos = _eos_from_greedy(reference, ids, mask)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, num_beams=num_beams, eos_token_id=[eos, 2],
+                  return_dict_in_generate=True, output_scores=True, output_logits=True)
+    expected, got = reference.generate(**kwargs), accelerated.generate(**kwargs)
+    assert type(got) is type(expected)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert len(got.scores) == len(expected.scores)
+    for mine, theirs in zip(got.scores, expected.scores):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+    if num_beams > 1:
+        torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, atol=1e-4, rtol=1e-4)
+        assert torch.equal(got.beam_indices, expected.beam_indices)
+
+
+@pytest.mark.parametrize("family", SEQ2SEQ)
+@pytest.mark.parametrize("settings", [dict(), dict(temperature=0.7, top_k=20), dict(top_p=0.8, num_return_sequences=2),
+                                      dict(num_beams=3)])
+def test_seeded_sampling_identical_to_hf(family, settings):
+    """Same processors and the same RNG calls in the same order: identical samples."""
+    accelerated, reference = _pair(family, 5)
+    ids, mask = padded_batch(family, 3, 7, seed=5)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=True, **settings)
+    torch.manual_seed(11)
+    expected = reference.generate(**kwargs)
+    torch.manual_seed(11)
+    got = accelerated.generate(**kwargs)
+    assert torch.equal(got, expected)
+
+
+def test_unsupported_argument_falls_back_with_a_warning(monkeypatch):
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value)
+
+        def end(self):
+            pass
+
+    accelerated, reference = _pair("bart", 6)
+    ids, mask = padded_batch("bart", 1, 6, seed=6)
+    streamer = Collect()
+    with pytest.warns(RuntimeWarning, match="argument 'streamer' is not supported"):
+        got = accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, streamer=streamer)
+    assert torch.equal(got, reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5))
+    assert streamer.chunks
+    monkeypatch.setenv("LIGHTGEN_STRICT", "1")
+    with pytest.raises(ValueError, match="LIGHTGEN_STRICT=1"):
+        accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, output_attentions=True,
+                             return_dict_in_generate=True)
+
+
+def test_too_long_generation_is_a_clear_error():
+    accelerated, _ = _pair("bart", 0)
+    ids, mask = padded_batch("bart", 1, 4)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=200, min_new_tokens=200)
+
+
+def test_buffers_are_reused_across_calls():
+    from lightgen.modules.kv_cache import POOL
+
+    accelerated, _ = _pair("marian", 1)
+    ids, mask = padded_batch("marian", 2, 6)
+    POOL.clear()
+    accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=2)
+    pooled = {id(t) for free in POOL._free.values() for t in free}
+    accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=2)
+    assert pooled and pooled == {id(t) for free in POOL._free.values() for t in free}
+
+
+def test_concurrent_generate_calls_each_get_their_own_result():
+    accelerated, reference = _pair("bart", 2)
+    inputs = [padded_batch("bart", 2, 5 + i, seed=i) for i in range(4)]
+    expected = [reference.generate(input_ids=i, attention_mask=m, max_new_tokens=8, num_beams=2) for i, m in inputs]
+    results = [None] * len(inputs)
+
+    def run(index):
+        ids, mask = inputs[index]
+        for _ in range(3):
+            results[index] = accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, num_beams=2)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert all(torch.equal(got, want) for got, want in zip(results, expected))
+
+
+def test_restore_removes_the_engine():
+    accelerated, _ = _pair("bart", 0)
+    lightgen.restore_model(accelerated)
+    assert "generate" not in vars(accelerated) and not hasattr(accelerated, "_lightgen_decoder")
