@@ -15,6 +15,7 @@ def _seq2seq_config(cls, **extra):
 
 
 SEQ2SEQ = ("bart", "mbart", "marian")
+DECODER_ONLY = ("gpt2", "llama", "mistral", "qwen2")
 
 BUILDERS = {
     "bart": lambda: tf.BartForConditionalGeneration(_seq2seq_config(tf.BartConfig, activation_function="gelu")),
@@ -22,7 +23,7 @@ BUILDERS = {
     "marian": lambda: tf.MarianMTModel(_seq2seq_config(tf.MarianConfig, activation_function="swish",
                                                        scale_embedding=True)),
     "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                                    pad_token_id=0)),
+                                                    pad_token_id=0, bos_token_id=2, eos_token_id=2)),
     "bert": lambda: tf.BertModel(tf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                                num_attention_heads=4, intermediate_size=48,
                                                max_position_embeddings=64)),
@@ -57,7 +58,7 @@ def padded_batch(family: str, batch: int, length: int, seed: int = 0, left_pad: 
     ids = torch.randint(3, VOCAB, (batch, length), generator=gen)
     mask = torch.ones(batch, length, dtype=torch.long)
     if left_pad is None:
-        left_pad = family in ("gpt2", "llama", "mistral", "qwen2")
+        left_pad = family in DECODER_ONLY
     for row in range(1, batch):
         pad = int(torch.randint(0, length // 2 + 1, (1,), generator=gen))
         if pad:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from lightgen.adapters._blocks import first_cache, patch_matching, patch_scaled_embeddings
 from lightgen.adapters.base import Adapter, register_adapter
 from lightgen.modules.block import BlockSpec, activation_for, feed_forward, run_block
-from lightgen.modules.decoder import AttentionWeights, DecoderLayerWeights, Seq2SeqDecoder, Seq2SeqDecoderSpec
+from lightgen.modules.decoder import AttentionWeights, Decoder, DecoderLayerWeights, DecoderSpec
 
 _PREFIX = {"bart": "Bart", "mbart": "MBart", "marian": "Marian"}
 
@@ -53,10 +53,11 @@ def patch_bart(model, patcher) -> None:
 
 
 def _attention(attn) -> AttentionWeights:
-    return AttentionWeights(attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, attn.num_heads, attn.scaling)
+    return AttentionWeights(attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, attn.num_heads, attn.num_heads,
+                            attn.head_dim, attn.scaling)
 
 
-def bart_decoder(model) -> Seq2SeqDecoder | None:
+def bart_decoder(model) -> Decoder | None:
     """The static-cache decoder step for a *ForConditionalGeneration model (None without an LM head)."""
     if not hasattr(model, "lm_head") or not hasattr(model, "get_decoder"):
         return None
@@ -64,19 +65,18 @@ def bart_decoder(model) -> Seq2SeqDecoder | None:
     embed_tokens = decoder.embed_tokens
     scale = embed_tokens.embed_scale if hasattr(embed_tokens, "embed_scale") else decoder.embed_scale
     layers = tuple(
-        DecoderLayerWeights(module=layer, self_attn=_attention(layer.self_attn), self_norm=layer.self_attn_layer_norm,
-                            cross_attn=_attention(layer.encoder_attn), cross_norm=layer.encoder_attn_layer_norm,
-                            ffn_norm=layer.final_layer_norm)
+        DecoderLayerWeights(self_attn=_attention(layer.self_attn), self_norm=layer.self_attn_layer_norm,
+                            ffn_owner=layer, ffn_norm=layer.final_layer_norm,
+                            cross_attn=_attention(layer.encoder_attn), cross_norm=layer.encoder_attn_layer_norm)
         for layer in decoder.layers
     )
-    spec = Seq2SeqDecoderSpec(
+    return Decoder(DecoderSpec(
         block=_spec(model.config, encoder=False), layers=layers, token_embedding=embed_tokens.weight,
-        embed_scale=float(scale or 1.0), position_table=decoder.embed_positions.weight,
+        lm_head=model.lm_head.weight, embed_scale=float(scale or 1.0), position_table=decoder.embed_positions.weight,
         position_offset=getattr(decoder.embed_positions, "offset", 0),
         embedding_norm=getattr(decoder, "layernorm_embedding", None), final_norm=getattr(decoder, "layer_norm", None),
-        lm_head=model.lm_head.weight, logits_bias=getattr(model, "final_logits_bias", None),
-    )
-    return Seq2SeqDecoder(spec)
+        logits_bias=getattr(model, "final_logits_bias", None),
+    ))
 
 
 register_adapter(Adapter("bart", patch_bart, decoder=bart_decoder), "bart", "mbart", "marian")

@@ -5,11 +5,16 @@ from __future__ import annotations
 from lightgen.adapters._blocks import first_cache, patch_matching
 from lightgen.adapters.base import Adapter, register_adapter
 from lightgen.modules.block import BlockSpec, activation_for, feed_forward, run_block
+from lightgen.modules.decoder import AttentionWeights, Decoder, DecoderLayerWeights, DecoderSpec
+
+
+def _block_spec(config) -> BlockSpec:
+    return BlockSpec(pre_norm=True, act=activation_for(config.activation_function), ffn_in=("c_fc",),
+                     ffn_out="c_proj", act_module="act")
 
 
 def patch_gpt2(model, patcher) -> None:
-    spec = BlockSpec(pre_norm=True, act=activation_for(model.config.activation_function), ffn_in=("c_fc",),
-                     ffn_out="c_proj", act_module="act")
+    spec = _block_spec(model.config)
 
     def block_fast(block, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None,
                    encoder_attention_mask=None, use_cache=False, past_key_values=None, **kwargs):
@@ -28,4 +33,21 @@ def patch_gpt2(model, patcher) -> None:
                    f"fused residual+LayerNorm (pre-LN), bias+{spec.act or 'HF activation'}")
 
 
-register_adapter(Adapter("gpt2", patch_gpt2), "gpt2")
+def gpt2_decoder(model) -> Decoder | None:
+    """The static-cache decoder step for GPT2LMHeadModel (None for heads without an LM or with cross-attention)."""
+    if not hasattr(model, "lm_head") or model.config.add_cross_attention:
+        return None
+    transformer = model.transformer
+    layers = tuple(
+        DecoderLayerWeights(
+            self_attn=AttentionWeights(block.attn.c_attn, None, None, block.attn.c_proj, block.attn.num_heads,
+                                       block.attn.num_heads, block.attn.head_dim, block.attn.scaling),
+            self_norm=block.ln_1, ffn_owner=block.mlp, ffn_norm=block.ln_2)
+        for block in transformer.h
+    )
+    return Decoder(DecoderSpec(block=_block_spec(model.config), layers=layers, token_embedding=transformer.wte.weight,
+                               lm_head=model.lm_head.weight, position_table=transformer.wpe.weight,
+                               final_norm=transformer.ln_f))
+
+
+register_adapter(Adapter("gpt2", patch_gpt2, decoder=gpt2_decoder), "gpt2")

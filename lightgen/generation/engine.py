@@ -20,7 +20,9 @@ from torch import nn
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import (
     GENERATION_MODES_MAPPING,
+    GenerateBeamDecoderOnlyOutput,
     GenerateBeamEncoderDecoderOutput,
+    GenerateDecoderOnlyOutput,
     GenerateEncoderDecoderOutput,
     GenerationMixin,
 )
@@ -41,7 +43,7 @@ HF_ONLY_ARGUMENTS = (
 )
 
 # Keys HF leaves in model_kwargs that the lightgen loop understands (the rest mean a fallback).
-_KNOWN_MODEL_KWARGS = {"attention_mask", "encoder_outputs", "cache", "use_cache", "logits_to_keep"}
+_KNOWN_MODEL_KWARGS = {"attention_mask", "encoder_outputs", "cache", "use_cache", "logits_to_keep", "position_ids"}
 
 
 class UnsupportedGenerateArgument(ValueError):
@@ -92,19 +94,36 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
         return hf_method(model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                          generation_config=generation_config, synced_gpus=False, **model_kwargs)
     decoder = getattr(model, DECODER_ATTR)
-    expand = max(generation_config.num_beams, generation_config.num_return_sequences)
-    encoder_hidden = model_kwargs["encoder_outputs"][0]
-    state = decoder.start(encoder_hidden, model_kwargs.get("attention_mask"), expand, generation_config.max_length)
+    embedding = decoder.spec.token_embedding
+    start = dict(rows=input_ids.shape[0], max_len=generation_config.max_length, dtype=embedding.dtype,
+                 device=embedding.device)
+    if model.config.is_encoder_decoder:
+        state = decoder.start(**start, encoder_hidden=model_kwargs["encoder_outputs"][0],
+                              encoder_mask=model_kwargs.get("attention_mask"),
+                              expand=max(generation_config.num_beams, generation_config.num_return_sequences))
+    else:
+        state = decoder.start(**start, prompt_mask=model_kwargs.get("attention_mask"))
+    outputs = _OUTPUTS[model.config.is_encoder_decoder]
+    prompt_positions = model_kwargs.get("position_ids")
     try:
         if generation_config.num_beams > 1:
-            return _beam_search(model, decoder, state, input_ids, logits_processor, stopping_criteria,
-                                generation_config)
-        return _greedy_or_sample(decoder, state, input_ids, logits_processor, stopping_criteria, generation_config)
+            return _beam_search(model, decoder, state, input_ids, prompt_positions, logits_processor,
+                                stopping_criteria, generation_config, outputs[1])
+        return _greedy_or_sample(decoder, state, input_ids, prompt_positions, logits_processor, stopping_criteria,
+                                 generation_config, outputs[0])
     finally:
         state.release()
 
 
-def _greedy_or_sample(decoder, state, input_ids, logits_processor, stopping_criteria, generation_config):
+# is_encoder_decoder -> (sampling output class, beam output class), as HF returns them.
+_OUTPUTS = {
+    True: (GenerateEncoderDecoderOutput, GenerateBeamEncoderDecoderOutput),
+    False: (GenerateDecoderOnlyOutput, GenerateBeamDecoderOnlyOutput),
+}
+
+
+def _greedy_or_sample(decoder, state, input_ids, prompt_positions, logits_processor, stopping_criteria,
+                      generation_config, output_class):
     """HF's ``_sample`` semantics: same processors, same RNG calls, same stopping and padding."""
     rows, cur_len = input_ids.shape
     pad_token_id = generation_config._pad_token_tensor
@@ -117,7 +136,7 @@ def _greedy_or_sample(decoder, state, input_ids, logits_processor, stopping_crit
     sequences = torch.empty((rows, generation_config.max_length), dtype=input_ids.dtype, device=input_ids.device)
     sequences[:, :cur_len] = input_ids
     unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
-    logits = decoder.step(state, input_ids)
+    logits = decoder.step(state, input_ids, prompt_positions)
     while True:
         next_token_scores = logits_processor(sequences[:, :cur_len], logits)
         if keep_scores:
@@ -140,10 +159,11 @@ def _greedy_or_sample(decoder, state, input_ids, logits_processor, stopping_crit
     output = sequences[:, :cur_len]
     if not generation_config.return_dict_in_generate:
         return output
-    return GenerateEncoderDecoderOutput(sequences=output, scores=scores, logits=raw_logits)
+    return output_class(sequences=output, scores=scores, logits=raw_logits)
 
 
-def _beam_search(model, decoder, state, input_ids, logits_processor, stopping_criteria, generation_config):
+def _beam_search(model, decoder, state, input_ids, prompt_positions, logits_processor, stopping_criteria,
+                 generation_config, output_class):
     """HF's ``_beam_search`` bookkeeping (its own helpers), with lightgen's step and in-place cache reorder."""
     pad_token_id = generation_config._pad_token_tensor
     eos_token_id = generation_config._eos_token_tensor
@@ -181,7 +201,7 @@ def _beam_search(model, decoder, state, input_ids, logits_processor, stopping_cr
     beam_indices = running_beam_indices.clone()
 
     flat_running_sequences = input_ids
-    logits = decoder.step(state, input_ids)
+    logits = decoder.step(state, input_ids, prompt_positions)
     while True:
         log_probs = nn.functional.log_softmax(logits, dim=-1)
         log_probs = logits_processor(flat_running_sequences, log_probs)
@@ -227,7 +247,7 @@ def _beam_search(model, decoder, state, input_ids, logits_processor, stopping_cr
         if not model._beam_search_has_unfinished_sequences(is_early_stop_heuristic_unsatisfied, is_sent_finished,
                                                             next_token_hits_stopping_criteria, early_stopping):
             break
-        state.cache.reorder(beam_idx.long())
+        state.reorder(beam_idx.long())
         flat_running_sequences = model._flatten_beam_dim(running_sequences[:, :, :cur_len])
         logits = decoder.step(state, flat_running_sequences[:, -1:])
 
@@ -240,6 +260,6 @@ def _beam_search(model, decoder, state, input_ids, logits_processor, stopping_cr
     beam_indices = beam_indices[:, :max_generated_length]
     if not generation_config.return_dict_in_generate:
         return sequences
-    return GenerateBeamEncoderDecoderOutput(
+    return output_class(
         sequences=sequences, sequences_scores=beam_scores if keep_scores else None, scores=all_scores,
         logits=raw_logits, beam_indices=beam_indices)

@@ -1,10 +1,10 @@
-"""A generic encoder-decoder decoder step on a static KV cache.
+"""A generic decoder step on a static KV cache, for encoder-decoder and decoder-only models.
 
-Adapters describe a family's decoder with ``Seq2SeqDecoderSpec`` (the same Parameter objects the
-model holds); ``Seq2SeqDecoder`` then runs one decoding step for any of them: fused embedding
-lookup, self-attention writing K/V into the preallocated cache, cross-attention over encoder K/V
-computed once per sentence (not per beam), the shared ``run_block`` and the LM head for the last
-position only.
+Adapters describe a family's decoder with ``DecoderSpec`` (the same Parameter objects and modules
+the model holds, no copies); ``Decoder`` then runs one decoding step for any of them: fused
+embedding lookup, self-attention writing K/V into the preallocated cache, cross-attention over
+encoder K/V computed once per sentence (not per beam), the shared ``run_block`` and the LM head
+for the last position only.
 """
 
 from __future__ import annotations
@@ -16,51 +16,62 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightgen import ops
-from lightgen.modules.kv_cache import POOL, StaticKVCache
 from lightgen.modules.block import BlockSpec, feed_forward, run_block
+from lightgen.modules.kv_cache import POOL, StaticKVCache
 from lightgen.modules.norm import apply_norm, norm_kind
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionWeights:
-    q: nn.Linear
-    k: nn.Linear
-    v: nn.Linear
-    out: nn.Linear
+    q: nn.Module  # nn.Linear, or with k = v = None a fused q|k|v projection (GPT-2's Conv1D)
+    k: nn.Module | None
+    v: nn.Module | None
+    out: nn.Module
     heads: int
+    kv_heads: int
+    head_dim: int
     scaling: float
 
-    @property
-    def head_dim(self) -> int:
-        return self.q.out_features // self.heads
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[N, T, E] -> q [N, H, T, D], k and v [N, Hkv, T, D] (views)."""
+        if self.k is None:
+            q, k, v = self.q(h).split(self.heads * self.head_dim, dim=-1)
+        else:
+            q, k, v = self.q(h), self.k(h), self.v(h)
+        return _split_heads(q, self.heads), _split_heads(k, self.kv_heads), _split_heads(v, self.kv_heads)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecoderLayerWeights:
-    module: nn.Module  # owns the FFN modules named in the BlockSpec
     self_attn: AttentionWeights
     self_norm: nn.Module
-    cross_attn: AttentionWeights
-    cross_norm: nn.Module
+    ffn_owner: nn.Module  # owns the FFN modules named in the BlockSpec
     ffn_norm: nn.Module
+    cross_attn: AttentionWeights | None = None
+    cross_norm: nn.Module | None = None
 
 
 @dataclasses.dataclass(frozen=True)
-class Seq2SeqDecoderSpec:
+class DecoderSpec:
     block: BlockSpec
     layers: tuple[DecoderLayerWeights, ...]
     token_embedding: torch.Tensor  # [V, E]
-    embed_scale: float
-    position_table: torch.Tensor  # [P, E]: learned or a fixed sinusoidal table
-    position_offset: int  # BART's learned positions start at index 2
-    embedding_norm: nn.Module | None
-    final_norm: nn.Module | None
     lm_head: torch.Tensor  # [V, E]
-    logits_bias: torch.Tensor | None  # [1, V]
+    embed_scale: float = 1.0
+    position_table: torch.Tensor | None = None  # [P, E]: learned, or a fixed sinusoidal table
+    position_offset: int = 0  # BART's learned positions start at index 2
+    max_positions: int | None = None  # for rotary models: config.max_position_embeddings
+    rotary: nn.Module | None = None  # HF rotary embedding module: (x, position_ids) -> (cos, sin)
+    apply_rotary: object = None  # HF's apply_rotary_pos_emb for that family
+    embedding_norm: nn.Module | None = None
+    final_norm: nn.Module | None = None
+    logits_bias: torch.Tensor | None = None  # [1, V]
 
     @property
-    def max_positions(self) -> int:
-        return self.position_table.shape[0] - self.position_offset
+    def position_limit(self) -> int:
+        if self.position_table is not None:
+            return self.position_table.shape[0] - self.position_offset
+        return self.max_positions or 1 << 62
 
 
 def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -70,69 +81,98 @@ def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class DecodeState:
-    """Per-request decoder memory: the self-attention cache and the per-sentence cross K/V."""
+    """Per-request decoder memory: self-attention cache, key mask, positions, cross K/V."""
 
-    def __init__(self, cache: StaticKVCache, cross_keys, cross_values, encoder_keep, expand: int,
-                 positions: torch.Tensor) -> None:
+    def __init__(self, cache: StaticKVCache, key_keep: torch.Tensor | None, next_position: torch.Tensor,
+                 cross_keys=(), cross_values=(), encoder_keep=None, expand: int = 1) -> None:
         self.cache = cache
+        self.key_keep = key_keep  # [N, max_len] bool, only when the prompt is padded
+        self.next_position = next_position  # [N] int64: position id of each row's next token
+        self.write_at = POOL.take(next_position.shape, torch.int64, next_position.device)
         self.cross_keys = cross_keys  # per layer [B, H, S, D]
         self.cross_values = cross_values
         self.encoder_keep = encoder_keep  # [B, S] bool
-        self.expand = expand  # rows per sentence (beams or returned sequences)
-        self.positions = positions  # [N] int64, reused every step
+        self.expand = expand  # decoder rows per sentence (beams or returned sequences)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Beam search picked ``rows``: rows of the same sentence swap caches, masks and positions."""
+        self.cache.reorder(rows)
+        if self.key_keep is not None:
+            self.key_keep.copy_(self.key_keep.index_select(0, rows))
+        self.next_position.copy_(self.next_position.index_select(0, rows))
 
     def release(self) -> None:
         self.cache.release()
+        POOL.give_back(self.write_at, self.next_position)
+        if self.key_keep is not None:
+            POOL.give_back(self.key_keep)
 
 
-class Seq2SeqDecoder:
-    def __init__(self, spec: Seq2SeqDecoderSpec) -> None:
+class Decoder:
+    def __init__(self, spec: DecoderSpec) -> None:
         self.spec = spec
-        self.norm_kind = norm_kind(spec.layers[0].self_norm)
 
-    def start(self, encoder_hidden: torch.Tensor, encoder_mask: torch.Tensor | None, expand: int,
-              max_len: int) -> DecodeState:
-        """Allocate the cache for ``rows = B * expand`` decoder rows; encoder inputs are per row
-        ([N, S, E], HF repeats each sentence ``expand`` times) and are de-duplicated here."""
-        rows, src_len, _ = encoder_hidden.shape
-        if max_len > self.spec.max_positions:
-            raise ValueError(f"generation needs {max_len} decoder positions but the model has "
-                             f"{self.spec.max_positions} (max_position_embeddings)")
+    def start(self, rows: int, max_len: int, dtype: torch.dtype, device, *, prompt_mask=None, encoder_hidden=None,
+              encoder_mask=None, expand: int = 1) -> DecodeState:
+        """Allocate memory for ``rows`` decoder rows and ``max_len`` positions.
+
+        ``prompt_mask`` [N, L] marks real prompt tokens of a (left-)padded decoder-only batch.
+        Encoder inputs are per row ([N, S, E]: HF repeats each sentence ``expand`` times) and are
+        de-duplicated here, so cross-attention K/V exist once per sentence.
+        """
+        if max_len > self.spec.position_limit:
+            raise ValueError(f"generation needs {max_len} positions but the model has {self.spec.position_limit} "
+                             f"(max_position_embeddings)")
+        first = self.spec.layers[0].self_attn
+        cache = StaticKVCache(len(self.spec.layers), rows, first.kv_heads, max_len, first.head_dim, dtype, device)
+        next_position = POOL.take((rows,), torch.int64, device).zero_()
+        key_keep = None
+        if prompt_mask is not None:
+            key_keep = POOL.take((rows, max_len), torch.bool, device).fill_(True)
+            key_keep[:, : prompt_mask.shape[1]] = prompt_mask.bool()
+        if encoder_hidden is None:
+            return DecodeState(cache, key_keep, next_position)
         sentences = encoder_hidden[::expand]
-        keep = (torch.ones(sentences.shape[:2], dtype=torch.bool, device=sentences.device) if encoder_mask is None
-                else encoder_mask[::expand].bool())
+        encoder_keep = (torch.ones(sentences.shape[:2], dtype=torch.bool, device=sentences.device)
+                        if encoder_mask is None else encoder_mask[::expand].bool())
         cross_keys, cross_values = [], []
         for layer in self.spec.layers:
             attn = layer.cross_attn
-            cross_keys.append(_split_heads(F.linear(sentences, attn.k.weight, attn.k.bias), attn.heads).contiguous())
-            cross_values.append(_split_heads(F.linear(sentences, attn.v.weight, attn.v.bias), attn.heads).contiguous())
-        first = self.spec.layers[0].self_attn
-        cache = StaticKVCache(len(self.spec.layers), rows, first.heads, max_len, first.head_dim,
-                              encoder_hidden.dtype, encoder_hidden.device)
-        positions = POOL.take((rows,), torch.int64, encoder_hidden.device)
-        return DecodeState(cache, cross_keys, cross_values, keep, expand, positions)
+            cross_keys.append(_split_heads(attn.k(sentences), attn.kv_heads).contiguous())
+            cross_values.append(_split_heads(attn.v(sentences), attn.kv_heads).contiguous())
+        return DecodeState(cache, key_keep, next_position, cross_keys, cross_values, encoder_keep, expand)
 
-    def step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed ``tokens`` [N, T] at the next positions; returns float32 logits of the last one, [N, V]."""
+    def step(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed ``tokens`` [N, T]; returns float32 logits of the last position, [N, V].
+
+        ``positions`` [N, T] gives position ids (HF's, for padded prompts); by default each row
+        continues from its last position.
+        """
         spec, cache = self.spec, state.cache
         rows, length = tokens.shape
-        start = cache.length
-        if start + length > cache.max_len:
+        if cache.length + length > cache.max_len:
             raise RuntimeError(f"decoder cache of {cache.max_len} positions is full")
-        state.positions.fill_(start)
-        position_ids = torch.arange(start + spec.position_offset, start + spec.position_offset + length,
-                                    device=tokens.device).expand(rows, length)
-        hidden = ops.embedding(tokens, spec.token_embedding, spec.embed_scale, spec.position_table,
-                               position_ids.contiguous())
+        if positions is None:
+            positions = state.next_position[:, None] + torch.arange(length, device=tokens.device)
+        state.write_at.fill_(cache.length)
+        if spec.position_table is not None:
+            hidden = ops.embedding(tokens, spec.token_embedding, spec.embed_scale, spec.position_table,
+                                   (positions + spec.position_offset).contiguous())
+        else:
+            hidden = ops.embedding(tokens, spec.token_embedding, spec.embed_scale)
+        rotary = spec.rotary(hidden, positions) if spec.rotary is not None else None
         if spec.embedding_norm is not None:
             hidden = apply_norm(spec.embedding_norm, norm_kind(spec.embedding_norm), hidden)
         for index, layer in enumerate(spec.layers):
-            hidden = run_block(spec.block, hidden, [
-                (lambda h, i=index, a=layer.self_attn: self._self_attention(state, i, a, h), layer.self_norm),
-                (lambda h, i=index, a=layer.cross_attn: self._cross_attention(state, i, a, h), layer.cross_norm),
-                (lambda h, m=layer.module: feed_forward(m, spec.block, h), layer.ffn_norm),
-            ])
-        cache.length = start + length
+            sublayers = [(lambda h, i=index, a=layer.self_attn: self._self_attention(state, i, a, h, rotary),
+                          layer.self_norm)]
+            if layer.cross_attn is not None:
+                sublayers.append((lambda h, i=index, a=layer.cross_attn: self._cross_attention(state, i, a, h),
+                                  layer.cross_norm))
+            sublayers.append((lambda h, m=layer.ffn_owner: feed_forward(m, spec.block, h), layer.ffn_norm))
+            hidden = run_block(spec.block, hidden, sublayers)
+        cache.length += length
+        state.next_position.copy_(positions[:, -1] + 1)
         last = hidden[:, -1]
         if spec.final_norm is not None:
             last = apply_norm(spec.final_norm, norm_kind(spec.final_norm), last)
@@ -141,21 +181,20 @@ class Seq2SeqDecoder:
             logits = logits + spec.logits_bias
         return logits.float()
 
-    def _self_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor):
+    def _self_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor, rotary):
         rows, length, _ = h.shape
-        query = _split_heads(F.linear(h, attn.q.weight, attn.q.bias), attn.heads)
-        key = _split_heads(F.linear(h, attn.k.weight, attn.k.bias), attn.heads)
-        value = _split_heads(F.linear(h, attn.v.weight, attn.v.bias), attn.heads)
-        out = ops.attention(query, state.cache.keys[index], state.cache.values[index], key, value,
-                            state.positions, None, attn.scaling, True)
-        return F.linear(out.view(rows, length, -1), attn.out.weight, attn.out.bias)
+        query, key, value = attn.project(h)
+        if rotary is not None:
+            query, key = self.spec.apply_rotary(query, key, *rotary)
+        out = ops.attention(query, state.cache.keys[index], state.cache.values[index], key, value, state.write_at,
+                            state.key_keep, attn.scaling, True)
+        return attn.out(out.view(rows, length, -1))
 
     def _cross_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor):
         rows, length, width = h.shape
         sentences, expand = rows // state.expand, state.expand
-        query = F.linear(h, attn.q.weight, attn.q.bias)
         # Each sentence's rows (beams) become extra queries over that sentence's encoder K/V.
-        query = query.view(sentences, expand * length, attn.heads, -1).transpose(1, 2)
+        query = attn.q(h).view(sentences, expand * length, attn.heads, -1).transpose(1, 2)
         out = ops.attention(query, state.cross_keys[index], state.cross_values[index], None, None, None,
                             state.encoder_keep, attn.scaling, False)
-        return F.linear(out.view(rows, length, width), attn.out.weight, attn.out.bias)
+        return attn.out(out.view(rows, length, width))

@@ -5,17 +5,17 @@ import threading
 
 import pytest
 import torch
-from models import SEQ2SEQ, build, padded_batch
+from models import DECODER_ONLY, SEQ2SEQ, build, padded_batch
 
 import lightgen
-from lightgen.modules.decoder import Seq2SeqDecoder
+from lightgen.modules.decoder import Decoder
 
 
 @pytest.fixture
 def step_counter(monkeypatch):
     calls = []
-    original = Seq2SeqDecoder.step
-    monkeypatch.setattr(Seq2SeqDecoder, "step", lambda self, *a: calls.append(1) or original(self, *a))
+    original = Decoder.step
+    monkeypatch.setattr(Decoder, "step", lambda self, *a: calls.append(1) or original(self, *a))
     return calls
 
 
@@ -24,11 +24,14 @@ def _pair(family, seed):
     return lightgen.accelerate_model(copy.deepcopy(model)), model
 
 
-def _eos_from_greedy(reference, ids, mask, position=2):
+GENERATING = SEQ2SEQ + DECODER_ONLY
+
+
+def _eos_from_greedy(reference, ids, mask, new_tokens=3):
     """A token greedy decoding emits early, so that using it as EOS ends some rows early."""
-    out = reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=position + 1,
-                               min_new_tokens=position + 1, do_sample=False)
-    return int(out[0, position])
+    out = reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False)
+    return int(out[0, -1])
 
 
 GREEDY_AND_BEAM = [
@@ -44,7 +47,7 @@ GREEDY_AND_BEAM = [
 ]
 
 
-@pytest.mark.parametrize("family", SEQ2SEQ)
+@pytest.mark.parametrize("family", GENERATING)
 @pytest.mark.parametrize("settings", GREEDY_AND_BEAM, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "greedy")
 @pytest.mark.parametrize("seed, batch, length", [(0, 1, 5), (1, 3, 9), (2, 5, 12)])
 def test_tokens_identical_to_hf(family, settings, seed, batch, length, step_counter):
@@ -57,7 +60,7 @@ def test_tokens_identical_to_hf(family, settings, seed, batch, length, step_coun
     assert got.shape == expected.shape and torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("family", SEQ2SEQ)
+@pytest.mark.parametrize("family", GENERATING)
 @pytest.mark.parametrize("num_beams", [1, 4])
 @pytest.mark.parametrize("seed", [3, 4])
 def test_eos_early_and_scores_match(family, num_beams, seed):
@@ -77,7 +80,7 @@ def test_eos_early_and_scores_match(family, num_beams, seed):
         assert torch.equal(got.beam_indices, expected.beam_indices)
 
 
-@pytest.mark.parametrize("family", SEQ2SEQ)
+@pytest.mark.parametrize("family", GENERATING)
 @pytest.mark.parametrize("settings", [dict(), dict(temperature=0.7, top_k=20), dict(top_p=0.8, num_return_sequences=2),
                                       dict(num_beams=3)])
 def test_seeded_sampling_identical_to_hf(family, settings):
@@ -160,3 +163,18 @@ def test_restore_removes_the_engine():
     accelerated, _ = _pair("bart", 0)
     lightgen.restore_model(accelerated)
     assert "generate" not in vars(accelerated) and not hasattr(accelerated, "_lightgen_decoder")
+
+
+def test_sliding_window_models_keep_hf_loop_and_match():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.MistralConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=1, intermediate_size=48, max_position_embeddings=64,
+                              pad_token_id=0, sliding_window=4)
+    reference = tf.MistralForCausalLM(config).eval()
+    accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
+    assert not hasattr(accelerated, "_lightgen_decoder")
+    ids, mask = padded_batch("mistral", 2, 9)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)
+    assert torch.equal(accelerated.generate(**kwargs), reference.generate(**kwargs))
