@@ -178,3 +178,29 @@ def test_sliding_window_models_keep_hf_loop_and_match():
     ids, mask = padded_batch("mistral", 2, 9)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)
     assert torch.equal(accelerated.generate(**kwargs), reference.generate(**kwargs))
+
+
+@pytest.mark.parametrize("family", SEQ2SEQ)
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_forced_decoder_prompt_and_max_length(family, num_beams, step_counter):
+    accelerated, reference = _pair(family, 7)
+    ids, mask = padded_batch(family, 2, 6, seed=7)
+    decoder_prompt = torch.tensor([[2, 11, 12], [2, 13, 14]])
+    kwargs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_prompt, max_length=11,
+                  num_beams=num_beams)
+    assert torch.equal(accelerated.generate(**kwargs), reference.generate(**kwargs))
+    assert step_counter
+
+
+def test_memory_stays_flat_over_200_calls():
+    psutil = pytest.importorskip("psutil")
+    accelerated, _ = _pair("bart", 8)
+    ids, mask = padded_batch("bart", 4, 10, seed=8)
+    process = psutil.Process()
+    for _ in range(20):  # warm-up fills the pool and the allocator's free lists
+        accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, num_beams=2)
+    before = process.memory_info().rss
+    for _ in range(200):
+        accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, num_beams=2)
+    growth_mb = (process.memory_info().rss - before) / 2**20
+    assert growth_mb < 16, f"RSS grew by {growth_mb:.1f} MiB over 200 calls"
