@@ -89,8 +89,13 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
     """HF ``custom_generate`` callable: greedy, sampling and beam search on lightgen's decoder."""
     reason = _unsupported(generation_config, model_kwargs)
     if reason is not None:
+        hf_method_name = GENERATION_MODES_MAPPING[generation_config.get_generation_mode()]
+        if "/" in hf_method_name:  # transformers 5 moved this mode to a Hub repo
+            raise ValueError(f"lightgen generate: {reason}, and transformers ships it only as the Hub repo "
+                             f"'{hf_method_name}': pass custom_generate='{hf_method_name}' (with "
+                             f"trust_remote_code=True) to run it through Hugging Face")
         _fall_back(reason)
-        hf_method = getattr(GenerationMixin, GENERATION_MODES_MAPPING[generation_config.get_generation_mode()])
+        hf_method = getattr(GenerationMixin, hf_method_name)
         return hf_method(model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                          generation_config=generation_config, synced_gpus=False, **model_kwargs)
     decoder = getattr(model, DECODER_ATTR)

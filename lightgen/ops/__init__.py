@@ -4,9 +4,10 @@ Each ``<op>_ref`` is the specification its C++ (and later CUDA) kernels must mat
 what runs when a kernel could not be built.
 """
 
-from lightgen.ops import activation, attention as _attention_mod, embedding as _embedding_mod, norm
+from lightgen.ops import activation, attention as _attention_mod, beam, embedding as _embedding_mod, norm
 from lightgen.ops.activation import ACTIVATIONS, bias_act, bias_act_ref, gated_act, gated_act_ref
 from lightgen.ops.attention import attention, attention_ref
+from lightgen.ops.beam import beam_topk, beam_topk_ref
 from lightgen.ops.embedding import embedding, embedding_ref
 from lightgen.ops.norm import (
     add_layer_norm,
@@ -21,7 +22,7 @@ from lightgen.ops.norm import (
 
 REFERENCES = {}
 FAKES = {}
-for _module in (norm, activation, _attention_mod, _embedding_mod):
+for _module in (norm, activation, _attention_mod, _embedding_mod, beam):
     REFERENCES.update(_module.REFERENCES)
     FAKES.update(_module.FAKES)
 
@@ -37,6 +38,7 @@ __all__ = [
     "gated_act",
     "attention",
     "embedding",
+    "beam_topk",
     "layer_norm_ref",
     "add_layer_norm_ref",
     "rms_norm_ref",
@@ -45,4 +47,5 @@ __all__ = [
     "gated_act_ref",
     "attention_ref",
     "embedding_ref",
+    "beam_topk_ref",
 ]

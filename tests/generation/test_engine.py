@@ -204,3 +204,11 @@ def test_memory_stays_flat_over_200_calls():
         accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, num_beams=2)
     growth_mb = (process.memory_info().rss - before) / 2**20
     assert growth_mb < 16, f"RSS grew by {growth_mb:.1f} MiB over 200 calls"
+
+
+def test_diverse_beam_search_is_a_clear_error_not_a_crash():
+    accelerated, _ = _pair("bart", 0)
+    ids, mask = padded_batch("bart", 1, 5)
+    with pytest.raises(ValueError, match="group_beam_search.*is not supported.*custom_generate="):
+        accelerated.generate(input_ids=ids, attention_mask=mask, num_beams=4, num_beam_groups=2,
+                             diversity_penalty=0.5, max_new_tokens=5)
