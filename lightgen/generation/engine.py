@@ -127,6 +127,32 @@ _OUTPUTS = {
 }
 
 
+# Processors and stopping criteria that treat each row on its own: dropping finished rows from the
+# batch cannot change what they decide for the others.
+_ROW_WISE = {
+    "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor", "RepetitionPenaltyLogitsProcessor",
+    "NoRepeatNGramLogitsProcessor", "NoBadWordsLogitsProcessor", "ForcedBOSTokenLogitsProcessor",
+    "ForcedEOSTokenLogitsProcessor", "InfNanRemoveLogitsProcessor", "SuppressTokensLogitsProcessor",
+    "SuppressTokensAtBeginLogitsProcessor", "SequenceBiasLogitsProcessor", "MaxLengthCriteria", "EosTokenCriteria",
+}
+
+
+def _row_wise(processor, rows: int) -> bool:
+    # A tensor with one entry per row (e.g. a per-row prompt length) ties it to batch positions.
+    per_row_state = any(isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows
+                        for value in vars(processor).values())
+    return type(processor).__name__ in _ROW_WISE and not per_row_state
+
+
+def _can_drop_finished_rows(state, rows, generation_config, logits_processor, stopping_criteria) -> bool:
+    """Greedy rows that finished early stop costing compute, when nothing observes the full batch:
+    sampling draws from the RNG per row of the full batch, and scores/logits are reported per row."""
+    return (not generation_config.do_sample and state.expand == 1
+            and not (generation_config.return_dict_in_generate
+                     and (generation_config.output_scores or generation_config.output_logits))
+            and all(_row_wise(p, rows) for p in [*logits_processor, *stopping_criteria]))
+
+
 def _greedy_or_sample(decoder, state, input_ids, prompt_positions, logits_processor, stopping_criteria,
                       generation_config, output_class):
     """HF's ``_sample`` semantics: same processors, same RNG calls, same stopping and padding."""
@@ -137,9 +163,13 @@ def _greedy_or_sample(decoder, state, input_ids, prompt_positions, logits_proces
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores = () if keep_scores else None
     raw_logits = () if keep_logits else None
+    drop_finished = has_eos_stopping_criteria and _can_drop_finished_rows(state, rows, generation_config,
+                                                                          logits_processor, stopping_criteria)
 
     sequences = torch.empty((rows, generation_config.max_length), dtype=input_ids.dtype, device=input_ids.device)
     sequences[:, :cur_len] = input_ids
+    output = None  # [rows, max_length] once finished rows have been dropped from ``sequences``
+    live_rows = None  # which output row each row of ``sequences`` is, after a drop
     unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
     logits = decoder.step(state, input_ids, prompt_positions)
     while True:
@@ -159,9 +189,23 @@ def _greedy_or_sample(decoder, state, input_ids, prompt_positions, logits_proces
         unfinished = unfinished & ~stopping_criteria(sequences[:, :cur_len], scores)
         if unfinished.max() == 0:
             break
+        if drop_finished and not unfinished.all():
+            if output is None:
+                output = torch.full_like(sequences, pad_token_id)
+                live_rows = torch.arange(rows, device=input_ids.device)
+            finished = (unfinished == 0).nonzero().squeeze(1)
+            output[live_rows[finished], :cur_len] = sequences[finished, :cur_len]
+            keep = unfinished.nonzero().squeeze(1)
+            sequences, live_rows = sequences.index_select(0, keep), live_rows[keep]
+            unfinished, next_tokens = unfinished[keep], next_tokens[keep]
+            state.keep_rows(keep)
         logits = decoder.step(state, next_tokens[:, None])
 
-    output = sequences[:, :cur_len]
+    if output is None:
+        output = sequences
+    else:
+        output[live_rows, :cur_len] = sequences[:, :cur_len]
+    output = output[:, :cur_len]
     if not generation_config.return_dict_in_generate:
         return output
     return output_class(sequences=output, scores=scores, logits=raw_logits)

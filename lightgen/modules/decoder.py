@@ -89,23 +89,33 @@ class DecodeState:
         self.key_keep = key_keep  # [N, max_len] bool, only when the prompt is padded
         self.next_position = next_position  # [N] int64: position id of each row's next token
         self.write_at = POOL.take(next_position.shape, torch.int64, next_position.device)
-        self.cross_keys = cross_keys  # per layer [B, H, S, D]
-        self.cross_values = cross_values
+        self._pooled = [t for t in (key_keep, next_position, self.write_at) if t is not None]
+        self.cross_keys = list(cross_keys)  # per layer [B, H, S, D]
+        self.cross_values = list(cross_values)
         self.encoder_keep = encoder_keep  # [B, S] bool
         self.expand = expand  # decoder rows per sentence (beams or returned sequences)
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Beam search picked ``rows``: rows of the same sentence swap caches, masks and positions."""
-        self.cache.reorder(rows)
+        self.cache.select_rows(rows)
         if self.key_keep is not None:
-            self.key_keep.copy_(self.key_keep.index_select(0, rows))
-        self.next_position.copy_(self.next_position.index_select(0, rows))
+            self.key_keep = self.key_keep.index_select(0, rows)
+        self.next_position = self.next_position.index_select(0, rows)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop finished rows (one row per sentence): the rest keep decoding at smaller shapes."""
+        if self.expand != 1:
+            raise ValueError("finished rows can only be dropped with one decoder row per sentence")
+        self.reorder(rows)
+        self.write_at = self.write_at[: rows.numel()]
+        self.cross_keys = [keys.index_select(0, rows) for keys in self.cross_keys]
+        self.cross_values = [values.index_select(0, rows) for values in self.cross_values]
+        if self.encoder_keep is not None:
+            self.encoder_keep = self.encoder_keep.index_select(0, rows)
 
     def release(self) -> None:
         self.cache.release()
-        POOL.give_back(self.write_at, self.next_position)
-        if self.key_keep is not None:
-            POOL.give_back(self.key_keep)
+        POOL.give_back(*self._pooled)
 
 
 class Decoder:
@@ -186,8 +196,8 @@ class Decoder:
         query, key, value = attn.project(h)
         if rotary is not None:
             query, key = self.spec.apply_rotary(query, key, *rotary)
-        out = ops.attention(query, state.cache.keys[index], state.cache.values[index], key, value, state.write_at,
-                            state.key_keep, attn.scaling, True)
+        keys, values = state.cache.layer(index)
+        out = ops.attention(query, keys, values, key, value, state.write_at, state.key_keep, attn.scaling, True)
         return attn.out(out.view(rows, length, -1))
 
     def _cross_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor):

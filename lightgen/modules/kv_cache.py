@@ -47,7 +47,8 @@ POOL = BufferPool()
 class StaticKVCache:
     """Self-attention K/V of every decoder layer, [rows, kv_heads, max_len, head_dim], written in place.
 
-    Beam reordering gathers into a second set of buffers and swaps (no allocation per step).
+    Beam reordering and dropping finished rows gather into a second set of buffers and swap, so no
+    cache memory is allocated per step; ``rows`` shrinks as finished rows are dropped.
     """
 
     def __init__(self, layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int, dtype, device) -> None:
@@ -57,17 +58,24 @@ class StaticKVCache:
         self._spare_keys: torch.Tensor | None = None
         self._spare_values: torch.Tensor | None = None
         self.max_len = max_len
+        self.rows = rows  # rows still decoding; the buffers keep their full size
         self.length = 0  # positions filled, shared by all rows
 
-    def reorder(self, rows: torch.Tensor) -> None:
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[index, : self.rows], self.values[index, : self.rows]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep rows ``rows`` (int64, any order, possibly fewer) as rows 0..len(rows)-1."""
         if self._spare_keys is None:
             self._spare_keys = POOL.take(self.keys.shape, self.keys.dtype, self.keys.device)
             self._spare_values = POOL.take(self.values.shape, self.values.dtype, self.values.device)
-        filled = slice(0, self.length)
-        torch.index_select(self.keys[:, :, :, filled], 1, rows, out=self._spare_keys[:, :, :, filled])
-        torch.index_select(self.values[:, :, :, filled], 1, rows, out=self._spare_values[:, :, :, filled])
+        kept, filled = rows.numel(), slice(0, self.length)
+        active = slice(0, self.rows)
+        torch.index_select(self.keys[:, active, :, filled], 1, rows, out=self._spare_keys[:, :kept, :, filled])
+        torch.index_select(self.values[:, active, :, filled], 1, rows, out=self._spare_values[:, :kept, :, filled])
         self.keys, self._spare_keys = self._spare_keys, self.keys
         self.values, self._spare_values = self._spare_values, self.values
+        self.rows = kept
 
     def release(self) -> None:
         spares = [t for t in (self._spare_keys, self._spare_values) if t is not None]

@@ -212,3 +212,23 @@ def test_diverse_beam_search_is_a_clear_error_not_a_crash():
     with pytest.raises(ValueError, match="group_beam_search.*is not supported.*custom_generate="):
         accelerated.generate(input_ids=ids, attention_mask=mask, num_beams=4, num_beam_groups=2,
                              diversity_penalty=0.5, max_new_tokens=5)
+
+
+@pytest.mark.parametrize("family", GENERATING)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rows_finishing_early_are_dropped_and_output_is_unchanged(family, seed, monkeypatch):
+    from lightgen.modules.decoder import DecodeState
+
+    drops = []
+    original = DecodeState.keep_rows
+    monkeypatch.setattr(DecodeState, "keep_rows", lambda self, rows: drops.append(rows.numel()) or original(self, rows))
+    accelerated, reference = _pair(family, seed)
+    ids, mask = padded_batch(family, 5, 8, seed=seed)
+    eos = _eos_from_greedy(reference, ids, mask)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=1,
+                  no_repeat_ngram_size=3)
+    expected, got = reference.generate(**kwargs), accelerated.generate(**kwargs)
+    assert torch.equal(got, expected)
+    generated = expected[:, 1 if family in SEQ2SEQ else ids.shape[1]:]
+    finish_steps = [row.tolist().index(eos) if eos in row.tolist() else generated.shape[1] - 1 for row in generated]
+    assert bool(drops) == (min(finish_steps) < max(finish_steps))
