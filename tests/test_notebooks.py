@@ -1,0 +1,21 @@
+"""Every notebook in notebooks/ runs headless, top to bottom, without errors."""
+
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs(path, tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    # Keep Jupyter's runtime and config files out of $HOME.
+    for variable in ("JUPYTER_RUNTIME_DIR", "JUPYTER_DATA_DIR", "JUPYTER_CONFIG_DIR", "IPYTHONDIR"):
+        monkeypatch.setenv(variable, str(tmp_path / variable.lower()))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    notebook = nbformat.read(path, as_version=4)
+    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}}).execute()
