@@ -27,7 +27,7 @@ from transformers.generation.utils import (
     GenerationMixin,
 )
 
-from lightgen import _build
+from lightgen import _build, ops
 
 DECODER_ATTR = "_lightgen_decoder"
 
@@ -211,6 +211,23 @@ def _greedy_or_sample(decoder, state, input_ids, prompt_positions, logits_proces
     return output_class(sequences=output, scores=scores, logits=raw_logits)
 
 
+def _r_top_k_continuations(model, log_probs, running_beam_scores, running_sequences, running_beam_indices, cur_len,
+                           decoder_prompt_len, beams_to_keep, apply_log_softmax):
+    """HF's ``_get_top_k_continuations`` (greedy case) with its log_softmax + add + top-k done by the
+    R-top-k kernel, which returns the same candidates in the same order."""
+    batch_size, num_beams = running_beam_scores.shape
+    vocab_size = log_probs.shape[-1]
+    topk_log_probs, topk_indices, _ = ops.beam_topk(log_probs, running_beam_scores.reshape(-1), num_beams,
+                                                    beams_to_keep, apply_log_softmax)
+    topk_current_beam_indices = topk_indices // vocab_size
+    topk_running_beam_indices = model._gather_beams(running_beam_indices, topk_current_beam_indices)
+    topk_running_sequences = model._gather_beams(running_sequences, topk_current_beam_indices)
+    topk_running_sequences[:, :, cur_len] = topk_indices % vocab_size
+    batch_offset = torch.arange(batch_size, device=log_probs.device).view(-1, 1) * num_beams
+    topk_running_beam_indices[:, :, cur_len - decoder_prompt_len] = topk_current_beam_indices + batch_offset
+    return topk_log_probs, topk_running_sequences, topk_running_beam_indices
+
+
 def _beam_search(model, decoder, state, input_ids, prompt_positions, logits_processor, stopping_criteria,
                  generation_config, output_class):
     """HF's ``_beam_search`` bookkeeping (its own helpers), with lightgen's step and in-place cache reorder."""
@@ -249,24 +266,30 @@ def _beam_search(model, decoder, state, input_ids, prompt_positions, logits_proc
                                       dtype=torch.int32, device=device)
     beam_indices = running_beam_indices.clone()
 
+    # Without processors between them, log_softmax fuses into the R-top-k pass.
+    fuse_log_softmax = len(logits_processor) == 0 and not keep_scores
     flat_running_sequences = input_ids
     logits = decoder.step(state, input_ids, prompt_positions)
     while True:
-        log_probs = nn.functional.log_softmax(logits, dim=-1)
-        log_probs = logits_processor(flat_running_sequences, log_probs)
         if keep_logits:
             raw_logits += (logits.clone(),)
+        if fuse_log_softmax:
+            log_probs = logits
+        else:
+            log_probs = logits_processor(flat_running_sequences, nn.functional.log_softmax(logits, dim=-1))
         if keep_scores:
             all_scores += (log_probs.clone(),)
-        log_probs = model._unflatten_beam_dim(log_probs, batch_size, num_beams)
-        log_probs = (log_probs + running_beam_scores[:, :, None]).reshape(batch_size, -1)
-
-        topk_log_probs, topk_running_sequences, topk_running_beam_indices = model._get_top_k_continuations(
-            accumulated_log_probs=log_probs, running_sequences=running_sequences,
-            running_beam_indices=running_beam_indices, cur_len=cur_len, decoder_prompt_len=decoder_prompt_len,
-            do_sample=generation_config.do_sample, beams_to_keep=beams_to_keep, num_beams=num_beams,
-            batch_size=batch_size,
-        )
+        if generation_config.do_sample:
+            accumulated = model._unflatten_beam_dim(log_probs, batch_size, num_beams) + running_beam_scores[:, :, None]
+            topk_log_probs, topk_running_sequences, topk_running_beam_indices = model._get_top_k_continuations(
+                accumulated_log_probs=accumulated.reshape(batch_size, -1), running_sequences=running_sequences,
+                running_beam_indices=running_beam_indices, cur_len=cur_len, decoder_prompt_len=decoder_prompt_len,
+                do_sample=True, beams_to_keep=beams_to_keep, num_beams=num_beams, batch_size=batch_size,
+            )
+        else:
+            topk_log_probs, topk_running_sequences, topk_running_beam_indices = _r_top_k_continuations(
+                model, log_probs, running_beam_scores, running_sequences, running_beam_indices, cur_len,
+                decoder_prompt_len, beams_to_keep, fuse_log_softmax)
         next_token_hits_stopping_criteria = stopping_criteria(
             model._flatten_beam_dim(topk_running_sequences[:, :, : cur_len + 1]), all_scores)
         next_token_hits_stopping_criteria = model._unflatten_beam_dim(

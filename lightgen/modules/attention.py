@@ -3,7 +3,7 @@
 Registered as implementation "lightgen" (with sdpa's boolean masks), so every HF attention module
 that dispatches through ALL_ATTENTION_FUNCTIONS runs ``ops.attention`` without being patched.
 Prefill (more than one query) goes to PyTorch's SDPA: its blocked matmuls beat our per-query
-kernel there (0.4-0.7x measured in benchmarks/kernels.py), while decode steps are where the fused
+kernel there (0.4-0.7x measured in benchmarks/op_kernels.py), while decode steps are where the fused
 kernel wins (1.2-1.9x over SDPA). Cases the op does not cover (attention weights requested, dropout in
 training, soft-capping, sliding windows, position biases) also go to the sdpa/eager functions.
 """

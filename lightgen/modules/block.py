@@ -54,7 +54,7 @@ def _matmul_no_bias(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 # Exact GELU: ATen's addmm + gelu beats our bias_act from 32 rows up (0.83-0.97x at 32-512 rows of 2048,
-# benchmarks/kernels.py), so prefill-sized inputs keep the HF path; decode rows (1-8) gain 1.9-2.8x.
+# benchmarks/op_kernels.py), so prefill-sized inputs keep the HF path; decode rows (1-8) gain 1.9-2.8x.
 _GELU_KERNEL_MAX_ROWS = 16
 
 

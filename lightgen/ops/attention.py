@@ -37,12 +37,14 @@ def attention_ref(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, cau
         key_len = torch.full((batch,), max_len, device=q.device)
 
     group = q_heads // kv_heads
+    key_idx = torch.arange(max_len, device=q.device)
+    in_cache = key_idx.view(1, -1) < key_len.view(-1, 1)  # [B, Tmax]: positions past a row's length are unwritten
     keys = k_cache.float().repeat_interleave(group, dim=1)
-    values = v_cache.float().repeat_interleave(group, dim=1)
+    # Zero unwritten values: 0-probability x uninitialised memory (inf/NaN) would poison the sum.
+    values = v_cache.float().repeat_interleave(group, dim=1).masked_fill(~in_cache[:, None, :, None], 0.0)
     scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * scale  # [B, Hq, Tq, Tmax]
 
-    key_idx = torch.arange(max_len, device=q.device)
-    visible = key_idx.view(1, 1, -1) < key_len.view(-1, 1, 1)  # [B, 1, Tmax]
+    visible = in_cache.unsqueeze(1)  # [B, 1, Tmax]
     if causal:
         last = key_len.view(-1, 1, 1) - q_len + torch.arange(q_len, device=q.device).view(1, -1, 1)
         visible = visible & (key_idx.view(1, 1, -1) <= last)  # [B, Tq, Tmax]

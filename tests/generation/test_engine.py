@@ -232,3 +232,17 @@ def test_rows_finishing_early_are_dropped_and_output_is_unchanged(family, seed, 
     generated = expected[:, 1 if family in SEQ2SEQ else ids.shape[1]:]
     finish_steps = [row.tolist().index(eos) if eos in row.tolist() else generated.shape[1] - 1 for row in generated]
     assert bool(drops) == (min(finish_steps) < max(finish_steps))
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(no_repeat_ngram_size=2)], ids=["fused log_softmax", "processors"])
+def test_beam_search_selects_with_the_r_top_k_kernel(settings, monkeypatch):
+    from lightgen import ops
+
+    calls = []
+    original = ops.beam_topk
+    monkeypatch.setattr(ops, "beam_topk", lambda *a: calls.append(a[-1]) or original(*a))
+    accelerated, reference = _pair("gpt2", 3)  # its generation_config adds no processors
+    ids, mask = padded_batch("gpt2", 3, 7, seed=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=9, num_beams=4, **settings)
+    assert torch.equal(accelerated.generate(**kwargs), reference.generate(**kwargs))
+    assert calls and all(fused == (not settings) for fused in calls)

@@ -109,3 +109,12 @@ def test_opcheck_including_in_place_cache_write():
     attention = torch.ops.lightgen.attention.default
     torch.library.opcheck(attention, (q, k, v, k_new, v_new, torch.tensor([0, 4]), None, 0.5, True))
     torch.library.opcheck(attention, (q, k, v, None, None, None, torch.ones(2, 10, dtype=torch.bool), 0.5, False))
+
+
+def test_unwritten_cache_garbage_never_leaks_into_the_output():
+    q, k, v, k_new, v_new = _qkv(2, 2, 2, 1, 8, 4, torch.float32)
+    k[:, :, 3:], v[:, :, 3:] = float("nan"), float("inf")  # what an uninitialised pooled buffer may hold
+    pos = torch.tensor([2, 1])
+    for attention in (ops.attention, ops.attention_ref):
+        out = attention(q, k.clone(), v.clone(), k_new, v_new, pos, None, 0.5, True)
+        assert torch.isfinite(out).all()

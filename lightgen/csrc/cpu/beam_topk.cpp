@@ -1,10 +1,14 @@
 // Beam-search candidate selection as LightSeq does it ("R-top-k"): the exact top-k of
 // log_softmax(scores) + beam_scores over each batch item's beams x V candidates, found by a rough
 // threshold and a sort of the few candidates above it instead of a full log_softmax and top-k.
+// Pass 1 (per row, in parallel): max, log-sum-exp and rough threshold, then the candidates above
+// that threshold while the row is in cache. Pass 2 (per item): keep those above the largest of its
+// beams' thresholds and partially sort them. Per-item queues replace LightSeq's batch offset.
 #include <torch/library.h>
 #include <ATen/cpu/vec/functional.h>
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include "../include/checks.h"
 #include "../include/vec_math.h"
@@ -39,9 +43,21 @@ inline bool ranks_before(const Candidate& a, const Candidate& b) {
   return a.value > b.value || (a.value == b.value && a.index < b.index);
 }
 
-inline float vec_max(const float* p, int64_t n) {
-  // at::vec::maximum propagates NaN, so a NaN anywhere in the chunk shows in its maximum.
-  return at::vec::reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, p, n);
+// Max of n floats; NaN anywhere gives NaN (at::vec::maximum propagates it). Four accumulators keep
+// the loop throughput-bound rather than waiting on one max chain.
+inline float chunk_max(const float* p, int64_t n) {
+  constexpr int64_t W = fVec::size();
+  const fVec lowest(-kInf);
+  fVec acc[4] = {lowest, lowest, lowest, lowest};
+  int64_t i = 0;
+  for (; i + 4 * W <= n; i += 4 * W)
+    for (int u = 0; u < 4; ++u) acc[u] = at::vec::maximum(acc[u], fVec::loadu(p + i + u * W));
+  for (; i < n; i += W) {
+    const int64_t len = std::min(W, n - i);
+    acc[0] = at::vec::maximum(acc[0], fVec::set(lowest, fVec::loadu(p + i, len), len));
+  }
+  const fVec all = at::vec::maximum(at::vec::maximum(acc[0], acc[1]), at::vec::maximum(acc[2], acc[3]));
+  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, all);
 }
 
 // log(sum(exp(x - max))) exactly as ATen's _vec_log_softmax_lastdim computes it: the same
@@ -54,16 +70,16 @@ inline float log_sum_exp_shifted(const float* x, int64_t n, float max) {
   return lanes[0];
 }
 
-// Pass 1 over a row: its candidate map and its rough k-th largest candidate. The row is split into
-// k contiguous chunks; their k maxima are k distinct elements, so the smallest of them is <= the
-// row's true k-th largest value (LightSeq's R-top-k), and the row max comes for free. With k > V
-// the row alone cannot fill the top k and the threshold is -inf.
+// A row's candidate map and its rough k-th largest candidate. The row is split into k contiguous
+// chunks; their k maxima are k distinct elements, so the smallest of them is <= the row's true k-th
+// largest value (LightSeq's R-top-k), and the row max comes for free. With k > V the row alone
+// cannot fill the top k and the threshold is -inf.
 float scan_row(const float* x, int64_t V, int64_t k, bool log_softmax, float beam, int64_t row, RowMap& map) {
   const int64_t chunks = k <= V ? k : 1;
   float row_max = -kInf, rough = kInf;
   for (int64_t g = 0; g < chunks; ++g) {
     const int64_t begin = g * V / chunks, end = (g + 1) * V / chunks;
-    const float m = vec_max(x + begin, end - begin);
+    const float m = chunk_max(x + begin, end - begin);
     TORCH_CHECK(!std::isnan(m) && m != kInf, kOp, ": 'scores' row ", row,
                 " contains NaN or +inf; mask tokens with -inf instead");
     row_max = std::max(row_max, m);
@@ -79,7 +95,7 @@ float scan_row(const float* x, int64_t V, int64_t k, bool log_softmax, float bea
   return map(rough);  // the map is monotone, so this is the rough k-th largest candidate
 }
 
-// Pass 2 over a row: append the candidates >= threshold to `out`.
+// Append the candidates >= threshold to `out`.
 void collect_row(const float* x, int64_t V, const RowMap& map, float threshold, int64_t base,
                  std::vector<Candidate>& out) {
   const fVec t(threshold);
@@ -139,10 +155,15 @@ std::tuple<Tensor, Tensor, Tensor> beam_topk(const Tensor& scores_in, const c10:
   }
   const float* x = scores.data_ptr<float>();
 
-  std::vector<RowMap> maps(rows);
-  std::vector<float> rough(rows);
+  // Per row: its rough threshold and the candidates reaching it, collected while the row is hot.
+  std::vector<float> thresholds(rows);
+  std::vector<std::vector<Candidate>> row_candidates(rows);
   at::parallel_for(0, rows, row_grain(V), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rough[r] = scan_row(x + r * V, V, k, log_softmax, beam[r], r, maps[r]);
+    for (int64_t r = begin; r < end; ++r) {
+      RowMap map;
+      thresholds[r] = scan_row(x + r * V, V, k, log_softmax, beam[r], r, map);
+      collect_row(x + r * V, V, map, thresholds[r], (r % beams) * V, row_candidates[r]);
+    }
   });
 
   Tensor values = at::empty({batch, k}, scores.options());
@@ -151,17 +172,20 @@ std::tuple<Tensor, Tensor, Tensor> beam_topk(const Tensor& scores_in, const c10:
   float* values_p = values.data_ptr<float>();
   int64_t* indices_p = indices.data_ptr<int64_t>();
   int64_t* survivors_p = survivors.data_ptr<int64_t>();
-  at::parallel_for(0, batch, row_grain(beams * V), [&](int64_t begin, int64_t end) {
+  int64_t collected = 0;
+  for (const auto& c : row_candidates) collected += static_cast<int64_t>(c.size());
+  at::parallel_for(0, batch, row_grain(collected / std::max<int64_t>(batch, 1)), [&](int64_t begin, int64_t end) {
     std::vector<Candidate> queue;
     for (int64_t b = begin; b < end; ++b) {
       // Each beam's k candidates above its own rough threshold are in the union, so the largest of
       // the beams' thresholds still leaves at least k candidates: the item's exact top k.
       const int64_t first = b * beams;
-      const float threshold = *std::max_element(rough.begin() + first, rough.begin() + first + beams);
+      const float threshold = *std::max_element(thresholds.begin() + first, thresholds.begin() + first + beams);
       queue.clear();
-      for (int64_t j = 0; j < beams; ++j)
-        collect_row(x + (first + j) * V, V, maps[first + j], threshold, j * V, queue);
-      TORCH_INTERNAL_ASSERT(static_cast<int64_t>(queue.size()) >= k, kOp, ": the rough threshold dropped a top-k candidate");
+      for (int64_t r = first; r < first + beams; ++r)
+        std::copy_if(row_candidates[r].begin(), row_candidates[r].end(), std::back_inserter(queue),
+                     [threshold](const Candidate& c) { return c.value >= threshold; });
+      TORCH_INTERNAL_ASSERT(static_cast<int64_t>(queue.size()) >= k, kOp, ": fewer than k candidates passed");
       std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), ranks_before);
       for (int64_t i = 0; i < k; ++i) {
         values_p[b * k + i] = queue[i].value;

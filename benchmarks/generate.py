@@ -1,0 +1,570 @@
+"""Benchmark model.generate() end to end: Hugging Face, lightgen and CTranslate2 on one model and input.
+
+    python benchmarks/generate.py [--quick] [--out benchmarks/results]
+
+Two random-weight models (a BART-size encoder-decoder and a GPT-2-small-size decoder) generate a
+fixed number of new tokens with greedy search, beam search and top-k sampling at several batch
+sizes. Providers: ``hf``, the unpatched model's ``generate``; ``lightgen``, a deep copy of the same
+model after ``lightgen.accelerate_model``; and ``ctranslate2``, the same weights converted, when the
+package is installed. Each provider's first call is checked (lightgen must return HF's greedy and
+beam tokens exactly) and measured for peak memory before the interleaved timing. The run also
+measures the machine's memory bandwidth and, for batch-1 greedy decoding, how close each provider
+gets to the time it takes just to read the decoder's weights once per step.
+Prints markdown tables and writes <out>/generate.json and (with matplotlib) <out>/generate.png.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import dataclasses
+import functools
+import json
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import tokenizers
+import torch
+import transformers
+
+import lightgen
+
+from _common import (ContentionMeter, NOISY_SPREAD, Sampling, Timing, format_speedup, hardware_title,
+                     machine_lines, measure, start_run, write_results)
+
+try:
+    import ctranslate2
+except ImportError as error:
+    ctranslate2 = None
+    CT2_MISSING = (f"ctranslate2 is not importable ({error}); `pip install ctranslate2` adds it where PyPI has a "
+                   "wheel for this platform")
+
+# GPT-2's real vocabulary has 50257 tokens; both models use 32000 so their LM heads match and the run stays short.
+VOCAB = 32000
+BOS, PAD, EOS, UNK = 0, 1, 2, 3  # BART's special ids, given to GPT-2 too so one vocabulary serves both
+FIRST_PROMPT_ID = UNK + 1  # prompts hold no special tokens
+PROMPT_TOKENS = 32
+TOP_K = 50
+SEED = 0
+BANDWIDTH_TENSOR_BYTES = 256 << 20  # far beyond the last-level cache, so every byte comes from DRAM
+HF, LIGHTGEN, CT2 = "hf", "lightgen", "ctranslate2"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings(Sampling):
+    new_tokens: int  # every provider generates exactly this many tokens per sequence
+    batch_sizes: tuple[int, ...]
+    bart_layers: int  # encoder layers and decoder layers each
+    gpt2_layers: int
+    max_rows: int  # cases with more rows (batch × beams) are skipped
+    run_budget_s: float  # cases not started by then are skipped, so a slow or busy machine cannot stretch the run
+
+
+# One generate() call lasts 0.1-20 s, so a sample is a single call, and the first (checking) call is the warm-up.
+# Full mode: batch 32 × beam 4 (128 rows) would cost 1-2 minutes per model on 2 cores, so it is left out.
+FULL = Settings(samples=5, min_sample_s=0.0, max_measure_s=8.0, min_samples=2, warmup_calls=0,
+                new_tokens=64, batch_sizes=(1, 8, 32), bart_layers=6, gpt2_layers=12, max_rows=32, run_budget_s=720)
+QUICK = Settings(samples=3, min_sample_s=0.0, max_measure_s=1.0, min_samples=2, warmup_calls=0,
+                 new_tokens=16, batch_sizes=(1, 8), bart_layers=2, gpt2_layers=2, max_rows=32, run_budget_s=100)
+BANDWIDTH_SAMPLING = Sampling(samples=9, min_sample_s=0.0, max_measure_s=2.0, min_samples=3, warmup_calls=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    name: str
+    num_beams: int = 1
+    do_sample: bool = False
+
+    @property
+    def deterministic(self) -> bool:
+        """Greedy and beam search: lightgen must return HF's tokens exactly."""
+        return not self.do_sample
+
+
+DECODINGS = (Decoding("greedy"), Decoding("beam 4", num_beams=4), Decoding(f"sample top-k {TOP_K}", do_sample=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+def build_bart(settings: Settings) -> transformers.PreTrainedModel:
+    layers = settings.bart_layers
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=VOCAB, d_model=512, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=8,
+        decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, max_position_embeddings=1024,
+    ))
+
+
+def build_gpt2(settings: Settings) -> transformers.PreTrainedModel:
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=settings.gpt2_layers, n_embd=768, n_head=12, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS,
+    ))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    label: Callable[[Settings], str]
+    build: Callable[[Settings], transformers.PreTrainedModel]
+    decoder_layers: str  # submodule holding the layers every decode step runs
+    # Decoder-layer weights applied once per sequence (to the encoder output, then cached), not per step.
+    per_sequence_weights: tuple[str, ...] = ()
+    # Keys CTranslate2's converter needs in config.json beyond what save_pretrained writes.
+    ct2_config_extras: dict = dataclasses.field(default_factory=dict)
+
+
+MODELS = (
+    ModelSpec(label=lambda s: f"BART {s.bart_layers}+{s.bart_layers}L", build=build_bart,
+              decoder_layers="model.decoder.layers",
+              per_sequence_weights=("encoder_attn.k_proj.", "encoder_attn.v_proj."),
+              # The converter reads post-LN from normalize_before, which only fairseq-ported configs carry.
+              ct2_config_extras={"normalize_before": False}),
+    ModelSpec(label=lambda s: f"GPT-2 {s.gpt2_layers}L", build=build_gpt2, decoder_layers="transformer.h"),
+)
+
+
+def build_model(spec: ModelSpec, settings: Settings) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    model = spec.build(settings).eval()
+    # Every provider must generate exactly new_tokens tokens: min_new_tokens keeps EOS out, and
+    # BART's default forced EOS on the last step is a token CTranslate2 would not force.
+    model.generation_config.forced_eos_token_id = None
+    model.generation_config.pad_token_id = PAD  # GPT-2 has none, and HF warns on every call without one
+    return model
+
+
+def decoder_bytes_per_step(spec: ModelSpec, model: transformers.PreTrainedModel) -> int:
+    """Bytes of weights one batch-1 decode step must read: the decoder layers' and the LM head's."""
+    layers = model.get_submodule(spec.decoder_layers)
+    layer_bytes = sum(param.nbytes for name, param in layers.named_parameters()
+                      if not any(part in name for part in spec.per_sequence_weights))
+    return layer_bytes + model.get_output_embeddings().weight.nbytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Providers
+
+
+class HFGenerate:
+    """``model.generate()`` of a Hugging Face model, unpatched or accelerated by lightgen."""
+
+    def __init__(self, name: str, model: transformers.PreTrainedModel):
+        self.name, self.model = name, model
+
+    def prepare(self, prompts: torch.Tensor, decoding: Decoding, new_tokens: int) -> Callable[[], torch.Tensor]:
+        kwargs = dict(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                      min_new_tokens=new_tokens, num_beams=decoding.num_beams, do_sample=decoding.do_sample)
+        if decoding.do_sample:
+            kwargs["top_k"] = TOP_K
+
+        def generate():
+            torch.manual_seed(SEED)  # the same draws on every call, so every sample does the same work
+            return self.model.generate(**kwargs)
+
+        return generate
+
+    @staticmethod
+    def new_token_ids(output: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        return output[:, -new_tokens:]
+
+
+def token(token_id: int) -> str:
+    return f"t{token_id}"
+
+
+def save_for_ctranslate2(model: transformers.PreTrainedModel, spec: ModelSpec, directory: Path) -> None:
+    """Save ``model`` with a tokenizer whose token strings name the ids ("t0", "t1", ...).
+
+    The converter takes its vocabulary from a tokenizer; with this one CTranslate2's token strings
+    map 1:1 to the ids HF sees.
+    """
+    model.save_pretrained(directory)
+    vocabulary = {token(token_id): token_id for token_id in range(model.config.vocab_size)}
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token=token(UNK)))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, bos_token=token(BOS), pad_token=token(PAD),
+                                         eos_token=token(EOS), unk_token=token(UNK)).save_pretrained(directory)
+    config_path = directory / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **spec.ct2_config_extras}, indent=2))
+
+
+class CTranslate2Generate:
+    """The same weights converted to CTranslate2: a Translator for encoder-decoders, a Generator otherwise."""
+
+    name = CT2
+
+    def __init__(self, model: transformers.PreTrainedModel, spec: ModelSpec, workdir: Path):
+        hf_dir, ct2_dir = workdir / "hf", workdir / "ct2"
+        save_for_ctranslate2(model, spec, hf_dir)
+        ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(ct2_dir))
+        self.encoder_decoder = model.config.is_encoder_decoder
+        runner = ctranslate2.Translator if self.encoder_decoder else ctranslate2.Generator
+        self.runner = runner(str(ct2_dir), device="cpu", compute_type="float32",
+                             intra_threads=torch.get_num_threads(), inter_threads=1)
+
+    def prepare(self, prompts: torch.Tensor, decoding: Decoding, new_tokens: int) -> Callable[[], list]:
+        # Tokens are strings in CTranslate2's API; converting outside the timing matches HF getting ids.
+        tokens = [[token(token_id) for token_id in row] for row in prompts.tolist()]
+        options = dict(beam_size=decoding.num_beams, sampling_topk=TOP_K if decoding.do_sample else 1,
+                       return_scores=False)
+        if self.encoder_decoder:
+            call = functools.partial(self.runner.translate_batch, tokens, max_decoding_length=new_tokens,
+                                     min_decoding_length=new_tokens, **options)
+        else:
+            call = functools.partial(self.runner.generate_batch, tokens, max_length=new_tokens,
+                                     min_length=new_tokens, include_prompt_in_result=False, **options)
+
+        def generate():
+            ctranslate2.set_random_seed(SEED)
+            return call()
+
+        return generate
+
+    def new_token_ids(self, output: list, new_tokens: int) -> torch.Tensor:
+        if self.encoder_decoder:  # a TranslationResult has token strings only
+            return torch.tensor([[int(text[1:]) for text in result.hypotheses[0]] for result in output])
+        return torch.tensor([result.sequences_ids[0] for result in output])
+
+
+CT2_CONVERTED = "converted"
+
+
+def ctranslate2_provider(model: transformers.PreTrainedModel, spec: ModelSpec,
+                         workdir: Path) -> tuple[CTranslate2Generate | None, str]:
+    """The CTranslate2 provider and CT2_CONVERTED, or None and why there is none."""
+    if ctranslate2 is None:
+        return None, "not installed"
+    try:
+        return CTranslate2Generate(model, spec, workdir), CT2_CONVERTED
+    except Exception as error:  # a converter out of step with transformers should cost only this column
+        return None, f"conversion failed: {type(error).__name__}: {error}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+
+
+def release_free_heap() -> None:
+    """Hand glibc's free heap memory back to the kernel, so the RSS is what is in use."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+def rss_and_peak_bytes() -> tuple[int, int]:
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(status["VmRSS"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 1024
+
+
+def run_for_peak_rss(fn: Callable[[], object]) -> tuple[object, float | None]:
+    """Run ``fn`` once; return its output and the MB its peak RSS rose above the RSS it started at.
+
+    getrusage's peak covers the whole process, so an earlier, bigger call would hide this one's;
+    Linux resets the peak through /proc/self/clear_refs. Elsewhere the growth is None.
+    """
+    release_free_heap()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        start_rss, _ = rss_and_peak_bytes()
+    except OSError:
+        return fn(), None
+    output = fn()
+    _, peak = rss_and_peak_bytes()
+    return output, (peak - start_rss) / 2**20
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def memory_bandwidth() -> dict[str, float]:
+    """GB/s of a tensor copy (bytes read + written) and of a sum (bytes read), with all and one thread."""
+    src = torch.rand(BANDWIDTH_TENSOR_BYTES // 4)
+    dst = torch.empty_like(src)
+    timings = measure({"copy": lambda: dst.copy_(src), "read": src.sum}, BANDWIDTH_SAMPLING)
+    with torch_threads(1):
+        timings["read_1_thread"] = measure({"read": src.sum}, BANDWIDTH_SAMPLING)["read"]
+    bytes_moved = {"copy": 2 * src.nbytes, "read": src.nbytes, "read_1_thread": src.nbytes}
+    return {name: bytes_moved[name] / (timings[name].median_us * 1e-6) / 1e9 for name in bytes_moved}
+
+
+@dataclasses.dataclass
+class CaseResult:
+    model: str
+    batch: int
+    decoding: str
+    new_tokens: int
+    timings: dict[str, Timing]  # per generate() call, by provider
+    peak_rss_growth_mb: dict[str, float | None]
+    lightgen_matches_hf: bool
+    must_match: bool
+    ctranslate2_token_match: float | None  # share of new tokens equal to HF's; None for sampling or no CT2
+    warnings: dict[str, list[str]]  # raised during each provider's first call
+
+    def ms_per_step(self, provider: str) -> float | None:
+        timing = self.timings.get(provider)
+        return timing.median_us / 1e3 / self.new_tokens if timing else None
+
+    def tokens_per_s(self, provider: str) -> float | None:
+        timing = self.timings.get(provider)
+        return self.batch * self.new_tokens / (timing.median_us * 1e-6) if timing else None
+
+    def speedup(self, provider: str, baseline: str) -> float | None:
+        """Baseline time over provider time: above 1, ``provider`` is faster."""
+        if provider not in self.timings or baseline not in self.timings:
+            return None
+        return self.timings[baseline].median_us / self.timings[provider].median_us
+
+    def summary(self) -> dict:
+        providers = {name: {"ms_per_step": self.ms_per_step(name), "tokens_per_s": self.tokens_per_s(name)}
+                     for name in self.timings}
+        speedups = {"lightgen_vs_hf": self.speedup(LIGHTGEN, HF),
+                    "lightgen_vs_ctranslate2": self.speedup(LIGHTGEN, CT2),
+                    "ctranslate2_vs_hf": self.speedup(CT2, HF)}
+        return {**dataclasses.asdict(self), "per_provider": providers, "speedups": speedups}
+
+
+def run_case(providers: list[HFGenerate | CTranslate2Generate], label: str, prompts: torch.Tensor,
+             decoding: Decoding, settings: Settings) -> CaseResult:
+    calls = {provider.name: provider.prepare(prompts, decoding, settings.new_tokens) for provider in providers}
+    new_ids, rss_growth, caught = {}, {}, {}
+    for provider in providers:
+        with warnings.catch_warnings(record=True) as raised:
+            warnings.simplefilter("always")
+            output, rss_growth[provider.name] = run_for_peak_rss(calls[provider.name])
+        new_ids[provider.name] = provider.new_token_ids(output, settings.new_tokens)
+        caught[provider.name] = sorted({str(warning.message) for warning in raised})
+
+    lightgen_matches = torch.equal(new_ids[LIGHTGEN], new_ids[HF])
+    if decoding.deterministic and not lightgen_matches:
+        print(f"!!! MISMATCH: lightgen's {decoding.name} tokens differ from HF's ({label}, batch {prompts.shape[0]})",
+              file=sys.stderr)
+    ct2_match = None
+    if CT2 in new_ids and decoding.deterministic:
+        same_shape = new_ids[CT2].shape == new_ids[HF].shape
+        ct2_match = (new_ids[CT2] == new_ids[HF]).float().mean().item() if same_shape else 0.0
+
+    timings = measure(calls, settings)
+    return CaseResult(label, prompts.shape[0], decoding.name, settings.new_tokens, timings, rss_growth,
+                      lightgen_matches, decoding.deterministic, ct2_match, caught)
+
+
+@dataclasses.dataclass
+class ModelReport:
+    label: str
+    hf_attention: str
+    ctranslate2: str
+    decoder_bytes_per_step: int
+    memory_bound_ms_per_step: float  # reading decoder_bytes_per_step at the best measured bandwidth
+    skipped: list[str]
+
+
+def skip_reason(settings: Settings, batch: int, decoding: Decoding, deadline: float) -> str | None:
+    rows = batch * decoding.num_beams
+    if rows > settings.max_rows:
+        return f"{rows} rows (batch × beams) exceed the {settings.max_rows}-row cap that keeps the run short"
+    if time.perf_counter() > deadline:
+        return f"the run's {settings.run_budget_s:g} s budget was spent"
+    return None
+
+
+def benchmark_model(spec: ModelSpec, settings: Settings, bandwidth_gb_s: float,
+                    deadline: float) -> tuple[ModelReport, list[CaseResult]]:
+    label = spec.label(settings)
+    model = build_model(spec, settings)
+    accelerated = lightgen.accelerate_model(copy.deepcopy(model))
+    weight_bytes = decoder_bytes_per_step(spec, model)
+    results, skipped = [], []
+    with tempfile.TemporaryDirectory() as workdir:
+        ct2_provider, ct2_state = ctranslate2_provider(model, spec, Path(workdir))
+        if ctranslate2 is not None:
+            print(f"{label}: ctranslate2 {ct2_state}", file=sys.stderr)
+        providers = [HFGenerate(HF, model), HFGenerate(LIGHTGEN, accelerated)]
+        if ct2_provider:
+            providers.append(ct2_provider)
+        for batch in settings.batch_sizes:
+            prompts = torch.randint(FIRST_PROMPT_ID, VOCAB, (batch, PROMPT_TOKENS),
+                                    generator=torch.Generator().manual_seed(batch))
+            for decoding in DECODINGS:
+                reason = skip_reason(settings, batch, decoding, deadline)
+                if reason:
+                    skipped.append(f"{label} batch {batch} {decoding.name}: {reason}")
+                    continue
+                print(f"{label} batch {batch} {decoding.name}...", file=sys.stderr)
+                results.append(run_case(providers, label, prompts, decoding, settings))
+    report = ModelReport(label, model.config._attn_implementation, ct2_state, weight_bytes,
+                         weight_bytes / (bandwidth_gb_s * 1e9) * 1e3, skipped)
+    return report, results
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+
+
+def format_number(value: float | None, digits: int, noisy: bool = False) -> str:
+    if value is None:
+        return "–"
+    return f"{value:,.{digits}f}{' †' if noisy else ''}"
+
+
+def format_ms(result: CaseResult, provider: str) -> str:
+    timing = result.timings.get(provider)
+    return format_number(result.ms_per_step(provider), 1, timing is not None and timing.noisy)
+
+
+def format_match(result: CaseResult) -> str:
+    if result.lightgen_matches_hf:
+        return "yes"
+    return "**NO**" if result.must_match else "no (sampling)"
+
+
+def format_percent(value: float | None) -> str:
+    return f"{value:.0%}" if value is not None else "–"
+
+
+def results_table(results: list[CaseResult]) -> list[str]:
+    lines = [
+        "| model | batch | decoding | HF ms/step | lightgen ms/step | CT2 ms/step | HF tok/s | lightgen tok/s | "
+        "CT2 tok/s | lightgen vs HF | lightgen vs CT2 | peak RSS +MB HF / lightgen / CT2 | lightgen = HF | "
+        "CT2 = HF tokens |",
+        "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|",
+    ]
+    for result in results:
+        rss = " / ".join(format_number(result.peak_rss_growth_mb.get(name), 0) for name in (HF, LIGHTGEN, CT2))
+        lines.append(
+            f"| {result.model} | {result.batch} | {result.decoding} | {format_ms(result, HF)} | "
+            f"{format_ms(result, LIGHTGEN)} | {format_ms(result, CT2)} | "
+            + " | ".join(format_number(result.tokens_per_s(name), 0) for name in (HF, LIGHTGEN, CT2))
+            + f" | {format_speedup(result.speedup(LIGHTGEN, HF))} | {format_speedup(result.speedup(LIGHTGEN, CT2))} | "
+            f"{rss} | {format_match(result)} | {format_percent(result.ctranslate2_token_match)} |")
+    return lines
+
+
+def memory_bound_table(models: list[ModelReport], results: list[CaseResult]) -> list[str]:
+    lines = [
+        "| model | weights read per step MB | limit ms/step | HF | lightgen | CT2 |",
+        "|---|--:|--:|--:|--:|--:|",
+    ]
+    for model in models:
+        greedy = next((r for r in results if r.model == model.label and r.batch == 1 and r.decoding == "greedy"), None)
+        if greedy is None:  # skipped for lack of time
+            continue
+        reached = []
+        for name in (HF, LIGHTGEN, CT2):
+            ms = greedy.ms_per_step(name)
+            reached.append(f"{ms:,.1f} ms ({model.memory_bound_ms_per_step / ms:.0%})" if ms else "–")
+        lines.append(f"| {model.label} | {model.decoder_bytes_per_step / 2**20:,.0f} | "
+                     f"{model.memory_bound_ms_per_step:.2f} | " + " | ".join(reached) + " |")
+    return lines
+
+
+def markdown(env: dict, settings: Settings, bandwidth: dict[str, float], models: list[ModelReport],
+             results: list[CaseResult]) -> str:
+    threads = env["torch_threads"]
+    mismatches = [r for r in results if r.must_match and not r.lightgen_matches_hf]
+    if ctranslate2 is None:
+        ct2_line = f"ctranslate2: skipped, {CT2_MISSING}"
+    else:
+        failures = [f"{m.label}: {m.ctranslate2}" for m in models if m.ctranslate2 != CT2_CONVERTED]
+        ct2_line = (f"ctranslate2 {ctranslate2.__version__} = the same weights converted, float32, "
+                    f"intra_threads={threads}" + (f" (skipped for {'; '.join(failures)})" if failures else ""))
+    lines = [
+        "## lightgen generate() benchmarks",
+        "",
+        *[f"**!!! lightgen's tokens differ from HF's: {r.model} batch {r.batch} {r.decoding}**" for r in mismatches],
+        *machine_lines(env),
+        f"- {env['mode']} mode, fp32; {PROMPT_TOKENS}-token prompts, exactly {settings.new_tokens} new tokens "
+        "(min_new_tokens = max_new_tokens; BART's forced EOS off); each provider's first call per case is the "
+        f"check and warm-up, then the median of up to {settings.samples} interleaved calls (at least "
+        f"{settings.min_samples}, {settings.max_measure_s:g} s cap per case); {env['timing_seconds']:.0f} s in all",
+        f"- models: random weights from configs (torch.manual_seed(0)); vocabulary {VOCAB} for both (GPT-2's real "
+        "one is 50257, cut to keep the run short); HF attention: "
+        + ", ".join(f"{m.label} {m.hf_attention}" for m in models),
+        "- providers: hf = the unpatched model's generate(); lightgen = a deep copy after "
+        f"lightgen.accelerate_model; {ct2_line}",
+        "- ms/step = one generate() call / new tokens (the encoder or prompt pass included); tok/s = batch × new "
+        "tokens / call time; lightgen vs X = X's time / lightgen's (above 1×: lightgen faster); peak RSS: MB the "
+        "process's peak rose during the first call, above its level after free heap memory was returned",
+        f"- † noisy: the interquartile range exceeds {NOISY_SPREAD:.0%} of the median (samples and quartiles are in "
+        "generate.json)",
+        "",
+        *results_table(results),
+        "",
+        "### Memory-bound limit, batch 1 greedy",
+        "",
+        f"- memory bandwidth on {BANDWIDTH_TENSOR_BYTES >> 20} MB fp32 tensors: copy {bandwidth['copy']:.1f} GB/s "
+        f"(read + written, {threads} threads); sum {bandwidth['read']:.1f} GB/s ({threads} threads), "
+        f"{bandwidth['read_1_thread']:.1f} GB/s (1 thread)",
+        "- limit = the time to read the decoder layers' and LM head's weights (cross-attention K/V projections "
+        f"excepted: they run once per sequence) at the best of those rates, {max(bandwidth.values()):.1f} GB/s; "
+        "each provider's ms/step, with the share of that limit it reaches in brackets (its ms/step includes the "
+        "prompt pass, so the share is a lower bound; above 100% means the probe under-measured the machine)",
+        "",
+        *memory_bound_table(models, results),
+    ]
+    skipped = [note for model in models for note in model.skipped]
+    if skipped:
+        lines += ["", "Skipped:", *[f"- {note}" for note in skipped]]
+    raised = sorted({f"{name}: {message}" for r in results for name, messages in r.warnings.items()
+                     for message in messages})
+    if raised:
+        lines += ["", "Warnings raised during the checking calls:", *[f"- {message}" for message in raised]]
+    return "\n".join(lines)
+
+
+def draw_chart(plt, env: dict, results: list[CaseResult]):
+    labels = [f"{r.model} b={r.batch} {r.decoding}" for r in results]
+    providers = [name for name in (LIGHTGEN, CT2) if any(name in r.timings for r in results)]
+    bar_height = 0.8 / len(providers)
+    fig, ax = plt.subplots(figsize=(10, 0.4 * len(results) + 1.8))
+    for index, name in enumerate(providers):
+        positions = [row + (index - (len(providers) - 1) / 2) * bar_height for row in range(len(results))]
+        ax.barh(positions, [r.speedup(name, HF) or 0.0 for r in results], height=bar_height, label=name)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(results)), labels, fontsize=8)
+    ax.invert_yaxis()  # same order as the table
+    ax.set_xlabel("speedup vs HF generate() (× tokens/s; above 1 is faster)")
+    ax.set_title(f"generate() speedup vs Hugging Face, fp32, {results[0].new_tokens} new tokens, {env['mode']} mode"
+                 f"\n{hardware_title(env)}", fontsize=10)
+    ax.legend()
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, env = start_run(__doc__, "generate",
+                          "2+2-layer BART, 2-layer GPT-2, batch 1 and 8, 16 new tokens (< 2 min)", argv)
+    settings = QUICK if args.quick else FULL
+    env["ctranslate2"] = ctranslate2.__version__ if ctranslate2 else None
+    if ctranslate2 is None:
+        print(f"{CT2_MISSING}; its columns stay empty", file=sys.stderr)
+    transformers.utils.logging.disable_progress_bar()  # save_pretrained and the converter would draw bars
+
+    contention = ContentionMeter()
+    deadline = time.perf_counter() + settings.run_budget_s
+    print("measuring memory bandwidth...", file=sys.stderr)
+    bandwidth = memory_bandwidth()
+    models, results = [], []
+    for spec in MODELS:
+        report, model_results = benchmark_model(spec, settings, max(bandwidth.values()), deadline)
+        models.append(report)
+        results += model_results
+    contention.record(env)
+
+    print(markdown(env, settings, bandwidth, models, results))
+    payload = {"environment": env, "settings": dataclasses.asdict(settings), "bandwidth_gb_s": bandwidth,
+               "models": [dataclasses.asdict(model) for model in models],
+               "results": [result.summary() for result in results]}
+    write_results(args.out, "generate", payload, lambda plt: draw_chart(plt, env, results))
+
+
+if __name__ == "__main__":
+    main()
