@@ -97,7 +97,8 @@ def markdown(env: dict, sampling: Sampling, rows: list[Row], stats: list[dict]) 
         "",
         *machine_lines(env),
         f"- {env['mode']} mode, fp32, no_grad; {BEAMS} beams, V = {VOCAB}, k = {K}; median of up to "
-        f"{sampling.samples} interleaved samples; {env['timing_seconds']:.0f} s of timing; † noisy (IQR > 20% of median)",
+        f"{sampling.samples} interleaved samples; {env['timing_seconds']:.0f} s of timing; "
+        "† noisy (IQR > 20% of median)",
         "- composite: log_softmax + beam scores + view + torch.topk, as transformers' beam search runs it",
         "",
         "| logits | B | lightgen µs | eager composite µs | speedup | survivors per item (mean) |",

@@ -45,8 +45,8 @@ def demo(layers: int, batch: int, src_len: int, new_tokens: int, repeats: int) -
             ("prefill forward", lambda m: m(input_ids=input_ids, decoder_input_ids=input_ids)),
             ("generate (greedy)", lambda m: m.generate(**kwargs)),
         ]:
-            before = _median_seconds(lambda: call(hf_model), repeats)
-            after = _median_seconds(lambda: call(accelerated), repeats)
+            before = _median_seconds(lambda run=call: run(hf_model), repeats)
+            after = _median_seconds(lambda run=call: run(accelerated), repeats)
             rows.append((label, before, after))
     print(f"\n{'':<20}{'HF (ms)':>10}{'lightgen (ms)':>15}{'speedup':>10}")
     for label, before, after in rows:

@@ -48,7 +48,8 @@ GREEDY_AND_BEAM = [
 
 
 @pytest.mark.parametrize("family", GENERATING)
-@pytest.mark.parametrize("settings", GREEDY_AND_BEAM, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "greedy")
+@pytest.mark.parametrize("settings", GREEDY_AND_BEAM,
+                         ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "greedy")
 @pytest.mark.parametrize("seed, batch, length", [(0, 1, 5), (1, 3, 9), (2, 5, 12)])
 def test_tokens_identical_to_hf(family, settings, seed, batch, length, step_counter):
     accelerated, reference = _pair(family, seed)
@@ -73,7 +74,7 @@ def test_eos_early_and_scores_match(family, num_beams, seed):
     assert type(got) is type(expected)
     assert torch.equal(got.sequences, expected.sequences)
     assert len(got.scores) == len(expected.scores)
-    for mine, theirs in zip(got.scores, expected.scores):
+    for mine, theirs in zip(got.scores, expected.scores, strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
     if num_beams > 1:
         torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, atol=1e-4, rtol=1e-4)
@@ -156,7 +157,7 @@ def test_concurrent_generate_calls_each_get_their_own_result():
         thread.start()
     for thread in threads:
         thread.join(timeout=300)
-    assert all(torch.equal(got, want) for got, want in zip(results, expected))
+    assert all(torch.equal(got, want) for got, want in zip(results, expected, strict=True))
 
 
 def test_restore_removes_the_engine():

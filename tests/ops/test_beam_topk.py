@@ -61,7 +61,8 @@ def test_matches_the_composite_transformers_runs(batch):
     # Tie-free logits, so torch.topk's order is the only possible one.
     beams, vocab, k = 4, 32000, 8
     gen = torch.Generator().manual_seed(batch)
-    scores, beam_scores = torch.randn(batch * beams, vocab, generator=gen) * 4, -torch.rand(batch * beams, generator=gen)
+    scores = torch.randn(batch * beams, vocab, generator=gen) * 4
+    beam_scores = -torch.rand(batch * beams, generator=gen)
     expected = torch.topk((torch.log_softmax(scores, -1) + beam_scores[:, None]).view(batch, -1), k)
     values, indices, _ = ops.beam_topk(scores, beam_scores, beams, k, True)
     torch.testing.assert_close(values, expected.values, atol=1e-6, rtol=1e-6)
