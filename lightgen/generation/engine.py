@@ -60,6 +60,10 @@ def _fall_back(reason: str) -> None:
 def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, **kwargs):
     """``model.generate`` after ``accelerate_model``: HF's arguments and outputs, lightgen's loop."""
     original = type(model).generate
+    input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+    if isinstance(input_ids, torch.Tensor) and (input_ids.dim() != 2 or input_ids.shape[0] == 0):
+        raise ValueError(f"lightgen generate: input_ids must be a non-empty [batch, length] tensor, got shape "
+                         f"{tuple(input_ids.shape)}")
     for name in HF_ONLY_ARGUMENTS:
         if kwargs.get(name) not in (None, False):
             _fall_back(f"argument '{name}' is not supported by lightgen's engine")

@@ -247,3 +247,11 @@ def test_beam_search_selects_with_the_r_top_k_kernel(settings, monkeypatch):
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=9, num_beams=4, **settings)
     assert torch.equal(accelerated.generate(**kwargs), reference.generate(**kwargs))
     assert calls and all(fused == (not settings) for fused in calls)
+
+
+@pytest.mark.parametrize("bad, message", [(torch.zeros((0, 5), dtype=torch.long), "non-empty"),
+                                          (torch.tensor([[5, 500]]), "token id 500 .* outside the table")])
+def test_bad_inputs_are_clear_errors(bad, message):
+    accelerated, _ = _pair("bart", 0)
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        accelerated.generate(input_ids=bad, max_new_tokens=3)
