@@ -65,7 +65,8 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
         raise ValueError(f"lightgen generate: input_ids must be a non-empty [batch, length] tensor, got shape "
                          f"{tuple(input_ids.shape)}")
     for name in HF_ONLY_ARGUMENTS:
-        if kwargs.get(name) not in (None, False):
+        value = kwargs.get(name)
+        if value is not None and value is not False:
             _fall_back(f"argument '{name}' is not supported by lightgen's engine")
             return original(model, inputs, generation_config, **kwargs)
     if kwargs.get("use_cache") is False:

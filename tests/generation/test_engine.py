@@ -116,6 +116,12 @@ def test_unsupported_argument_falls_back_with_a_warning(monkeypatch):
         got = accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, streamer=streamer)
     assert torch.equal(got, reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5))
     assert streamer.chunks
+    decoder_mask = torch.ones(1, 1, dtype=torch.long)  # tensors too, not only flags
+    with pytest.warns(RuntimeWarning, match="argument 'decoder_attention_mask'"):
+        got = accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
+                                   decoder_attention_mask=decoder_mask)
+    assert torch.equal(got, reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
+                                               decoder_attention_mask=decoder_mask))
     monkeypatch.setenv("LIGHTGEN_STRICT", "1")
     with pytest.raises(ValueError, match="LIGHTGEN_STRICT=1"):
         accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, output_attentions=True,
