@@ -261,3 +261,13 @@ def test_bad_inputs_are_clear_errors(bad, message):
     accelerated, _ = _pair("bart", 0)
     with pytest.raises((ValueError, RuntimeError), match=message):
         accelerated.generate(input_ids=bad, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("family", DECODER_ONLY)
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_unpadded_prompts_without_attention_mask(family, num_beams, step_counter):
+    accelerated, reference = _pair(family, 4)
+    ids = torch.randint(3, 97, (3, 6), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(input_ids=ids, max_new_tokens=6, pad_token_id=0, num_beams=num_beams)
+    assert torch.equal(accelerated.generate(**kwargs), reference.generate(**kwargs))
+    assert step_counter
