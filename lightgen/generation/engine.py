@@ -72,6 +72,10 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     if kwargs.get("use_cache") is False:
         _fall_back("use_cache=False is not supported by lightgen's engine")
         return original(model, inputs, generation_config, **kwargs)
+    # lightgen's decoder reads weights directly; accelerate hooks (offload, dispatch) must bring them in.
+    if any("_hf_hook" in module.__dict__ for module in model.modules()):
+        _fall_back("the model carries accelerate hooks (offloaded or dispatched weights)")
+        return original(model, inputs, generation_config, **kwargs)
     return original(model, inputs, generation_config, custom_generate=lightgen_decode, **kwargs)
 
 

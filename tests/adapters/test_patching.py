@@ -122,3 +122,19 @@ def test_deepcopy_of_accelerated_model_runs_its_own_weights():
     expected = forward_logits(lightgen.restore_model(copy.deepcopy(clone)), "bart", ids, mask)
     torch.testing.assert_close(forward_logits(clone, "bart", ids, mask), expected, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(forward_logits(model, "bart", ids, mask), expected)
+
+
+def test_dispatch_model_with_disk_offload_keeps_outputs(tmp_path):
+    model = build("llama", seed=1)
+    reference = copy.deepcopy(model)
+    ids, mask = padded_batch("llama", 2, 6)
+    lightgen.accelerate_model(model)
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
+                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    model = accelerate.dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path))
+    got, expected = forward_logits(model, "llama", ids, mask), forward_logits(reference, "llama", ids, mask)
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-4, rtol=1e-4)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0)
+    with pytest.warns(RuntimeWarning, match="accelerate hooks"):
+        generated = model.generate(**kwargs)
+    assert torch.equal(generated, reference.generate(**kwargs))
