@@ -28,11 +28,12 @@ from transformers.generation.utils import (
 )
 
 from lightgen import _build, ops
+from lightgen.generation.diverse import group_beam_search
 
 DECODER_ATTR = "_lightgen_decoder"
 
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
-                   GenerationMode.BEAM_SAMPLE)
+                   GenerationMode.BEAM_SAMPLE, GenerationMode.GROUP_BEAM_SEARCH)
 
 # generate() arguments that need HF's own loop (they observe or replace model internals).
 HF_ONLY_ARGUMENTS = (
@@ -88,6 +89,8 @@ def _unsupported(generation_config, model_kwargs) -> str | None:
             return f"'{flag}=True' is not supported"
     if generation_config.use_cache is False:
         return "use_cache=False is not supported"
+    if mode == GenerationMode.GROUP_BEAM_SEARCH and generation_config.return_dict_in_generate:
+        return "return_dict_in_generate with diverse beam search is not supported"
     unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _KNOWN_MODEL_KWARGS)
     if unknown:
         return f"model inputs {unknown} are not supported"
@@ -120,6 +123,9 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
     outputs = _OUTPUTS[model.config.is_encoder_decoder]
     prompt_positions = model_kwargs.get("position_ids")
     try:
+        if generation_config.get_generation_mode() == GenerationMode.GROUP_BEAM_SEARCH:
+            return group_beam_search(decoder, state, input_ids, prompt_positions, logits_processor,
+                                     stopping_criteria, generation_config)
         if generation_config.num_beams > 1:
             return _beam_search(model, decoder, state, input_ids, prompt_positions, logits_processor,
                                 stopping_criteria, generation_config, outputs[1])

@@ -213,12 +213,50 @@ def test_memory_stays_flat_over_200_calls():
     assert growth_mb < 16, f"RSS grew by {growth_mb:.1f} MiB over 200 calls"
 
 
-def test_diverse_beam_search_is_a_clear_error_not_a_crash():
+@pytest.mark.parametrize("family", ["bart", "marian", "gpt2", "llama"])
+@pytest.mark.parametrize("settings", [dict(num_beams=4), dict(num_beams=3, length_penalty=2.0, early_stopping=True),
+                                      dict(num_beams=4, num_return_sequences=2, early_stopping="never",
+                                           length_penalty=0.5)])
+def test_group_beam_search_with_one_group_is_hf_beam_search(family, settings, monkeypatch):
+    """The v4 bookkeeping in generation/diverse.py, checked against HF's own beam search."""
+    from lightgen.generation import diverse, engine
+
+    monkeypatch.setattr(engine, "_beam_search", lambda model, decoder, state, input_ids, positions, processors,
+                        criteria, config, output_class: diverse.group_beam_search(
+                            decoder, state, input_ids, positions, processors, criteria, config))
+    accelerated, reference = _pair(family, 1)
+    ids, mask = padded_batch(family, 3, 7, seed=1)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, pad_token_id=1, **settings)
+    assert torch.equal(accelerated.generate(**kwargs), reference.generate(**kwargs))
+
+
+@pytest.mark.parametrize("family", ["bart", "llama"])
+def test_diverse_beam_search_without_penalty_repeats_plain_beam_search(family):
+    accelerated, reference = _pair(family, 2)
+    ids, mask = padded_batch(family, 2, 6, seed=2)
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=1)
+    got = accelerated.generate(**common, num_beams=4, num_beam_groups=2, diversity_penalty=0.0,
+                               num_return_sequences=2)
+    plain = reference.generate(**common, num_beams=2)
+    assert torch.equal(got[0::2], plain) and torch.equal(got[1::2], plain)
+
+
+@pytest.mark.parametrize("family", ["marian", "gpt2"])
+def test_diversity_penalty_makes_groups_choose_different_tokens(family):
+    accelerated, _ = _pair(family, 3)
+    ids, mask = padded_batch(family, 2, 6, seed=3)
+    out = accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=4, num_beam_groups=4,
+                               diversity_penalty=1e4, num_return_sequences=4, pad_token_id=1)
+    first = out[:, 1 if family in SEQ2SEQ else ids.shape[1]].view(2, 4)
+    assert all(len(set(row.tolist())) == 4 for row in first)
+
+
+def test_diverse_beam_search_with_return_dict_is_a_clear_error():
     accelerated, _ = _pair("bart", 0)
     ids, mask = padded_batch("bart", 1, 5)
-    with pytest.raises(ValueError, match="group_beam_search.*is not supported.*custom_generate="):
+    with pytest.raises(ValueError, match="return_dict_in_generate with diverse beam search.*custom_generate="):
         accelerated.generate(input_ids=ids, attention_mask=mask, num_beams=4, num_beam_groups=2,
-                             diversity_penalty=0.5, max_new_tokens=5)
+                             diversity_penalty=0.5, max_new_tokens=5, return_dict_in_generate=True)
 
 
 @pytest.mark.parametrize("family", GENERATING)
