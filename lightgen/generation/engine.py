@@ -13,6 +13,7 @@ the reason (``LIGHTGEN_STRICT=1`` raises instead), so a result is never silently
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -28,6 +29,7 @@ from transformers.generation.utils import (
 )
 
 from lightgen import _build, ops
+from lightgen.generation.aggressive import iad_greedy
 from lightgen.generation.diverse import group_beam_search
 
 DECODER_ATTR = "_lightgen_decoder"
@@ -58,8 +60,19 @@ def _fall_back(reason: str) -> None:
                   RuntimeWarning, stacklevel=4)
 
 
-def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, **kwargs):
-    """``model.generate`` after ``accelerate_model``: HF's arguments and outputs, lightgen's loop."""
+def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, *, decoding: str = "auto",
+                         max_draft: int = 16, draft_ids=None, **kwargs):
+    """``model.generate`` after ``accelerate_model``: HF's arguments and outputs, lightgen's loop.
+
+    ``decoding="iad"`` runs greedy decoding with input-guided aggressive decoding (drafts copied
+    from the input, verified in one pass, at most ``max_draft`` tokens each): the same tokens as
+    greedy, in fewer decoder passes when the output resembles the input. ``draft_ids`` (one token
+    list per row) replaces the input as the text drafts are copied from.
+    """
+    if decoding not in ("auto", "iad"):
+        raise ValueError(f"lightgen generate: decoding must be 'auto' or 'iad', got {decoding!r}")
+    if max_draft < 1:
+        raise ValueError(f"lightgen generate: max_draft must be >= 1, got {max_draft}")
     original = type(model).generate
     input_ids = inputs if inputs is not None else kwargs.get("input_ids")
     if isinstance(input_ids, torch.Tensor) and (input_ids.dim() != 2 or input_ids.shape[0] == 0):
@@ -77,7 +90,8 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     if any("_hf_hook" in module.__dict__ for module in model.modules()):
         _fall_back("the model carries accelerate hooks (offloaded or dispatched weights)")
         return original(model, inputs, generation_config, **kwargs)
-    return original(model, inputs, generation_config, custom_generate=lightgen_decode, **kwargs)
+    decode = functools.partial(lightgen_decode, decoding=decoding, max_draft=max_draft, draft_ids=draft_ids)
+    return original(model, inputs, generation_config, custom_generate=decode, **kwargs)
 
 
 def _unsupported(generation_config, model_kwargs) -> str | None:
@@ -97,8 +111,27 @@ def _unsupported(generation_config, model_kwargs) -> str | None:
     return None
 
 
-def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+def _iad_unsupported(model, generation_config, logits_processor, stopping_criteria) -> str | None:
+    if generation_config.get_generation_mode() != GenerationMode.GREEDY_SEARCH:
+        return "decoding='iad' is greedy decoding: num_beams=1 and do_sample=False"
+    if len(logits_processor):
+        names = ", ".join(type(p).__name__ for p in logits_processor)
+        return f"decoding='iad' does not run logits processors ({names}); running plain greedy"
+    if any(type(c).__name__ not in ("MaxLengthCriteria", "EosTokenCriteria") for c in stopping_criteria):
+        return "decoding='iad' supports only max-length and EOS stopping; running plain greedy"
+    if generation_config.return_dict_in_generate:
+        return "decoding='iad' returns sequences only; running plain greedy"
+    return None
+
+
+def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, inputs_tensor=None,
+                    decoding="auto", max_draft=16, draft_ids=None, **model_kwargs):
     """HF ``custom_generate`` callable: greedy, sampling and beam search on lightgen's decoder."""
+    if decoding == "iad":
+        reason = _iad_unsupported(model, generation_config, logits_processor, stopping_criteria)
+        if reason is None:
+            return _iad(model, input_ids, inputs_tensor, generation_config, max_draft, draft_ids, model_kwargs)
+        _fall_back(reason)
     reason = _unsupported(generation_config, model_kwargs)
     if reason is not None:
         hf_method_name = GENERATION_MODES_MAPPING[generation_config.get_generation_mode()]
@@ -133,6 +166,34 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
                                  generation_config, outputs[0])
     finally:
         state.release()
+
+
+def _iad(model, input_ids, inputs_tensor, generation_config, max_draft, draft_ids, model_kwargs):
+    decoder = getattr(model, DECODER_ATTR)
+    embedding = decoder.spec.token_embedding
+    # Spare cache room for the padding after short drafts, which is written and then rolled back.
+    start = dict(rows=input_ids.shape[0], max_len=generation_config.max_length, dtype=embedding.dtype,
+                 device=embedding.device, spare_positions=max_draft)
+    mask = model_kwargs.get("attention_mask")
+    source = inputs_tensor if model.config.is_encoder_decoder else input_ids
+    keep = mask.bool() if mask is not None else torch.ones_like(source, dtype=torch.bool)
+    sources = ([list(map(int, ids)) for ids in draft_ids] if draft_ids is not None
+               else [row[row_keep].tolist() for row, row_keep in zip(source, keep, strict=True)])
+    if len(sources) != input_ids.shape[0]:
+        raise ValueError(f"lightgen generate: draft_ids has {len(sources)} rows for a batch of {input_ids.shape[0]}")
+    if model.config.is_encoder_decoder:
+        state = decoder.start(**start, encoder_hidden=model_kwargs["encoder_outputs"][0], encoder_mask=mask)
+    else:
+        state = decoder.start(**start, prompt_mask=mask)
+    eos = generation_config._eos_token_tensor
+    pad = generation_config._pad_token_tensor
+    try:
+        sequences, _ = iad_greedy(decoder, state, input_ids, model_kwargs.get("position_ids"), sources,
+                                  set(eos.tolist()) if eos is not None else set(),
+                                  int(pad) if pad is not None else 0, generation_config.max_length, max_draft)
+    finally:
+        state.release()
+    return sequences
 
 
 # is_encoder_decoder -> (sampling output class, beam output class), as HF returns them.

@@ -88,8 +88,9 @@ class DecodeState:
         self.cache = cache
         self.key_keep = key_keep  # [N, max_len] bool, only when the prompt is padded
         self.next_position = next_position  # [N] int64: position id of each row's next token
-        self.write_at = POOL.take(next_position.shape, torch.int64, next_position.device)
-        self._pooled = [t for t in (key_keep, next_position, self.write_at) if t is not None]
+        # Positions each row has filled in the cache; rows differ only after a rollback.
+        self.lengths = POOL.take(next_position.shape, torch.int64, next_position.device).zero_()
+        self._pooled = [t for t in (key_keep, next_position, self.lengths) if t is not None]
         self.cross_keys = list(cross_keys)  # per layer [B, H, S, D]
         self.cross_values = list(cross_values)
         self.encoder_keep = encoder_keep  # [B, S] bool
@@ -101,13 +102,19 @@ class DecodeState:
         if self.key_keep is not None:
             self.key_keep = self.key_keep.index_select(0, rows)
         self.next_position = self.next_position.index_select(0, rows)
+        self.lengths = self.lengths.index_select(0, rows)
+
+    def roll_back(self, rejected: torch.Tensor) -> None:
+        """Forget each row's last ``rejected[row]`` positions (a moved length, nothing copied)."""
+        self.lengths -= rejected
+        self.next_position -= rejected
+        self.cache.length = int(self.lengths.max())
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished rows (one row per sentence): the rest keep decoding at smaller shapes."""
         if self.expand != 1:
             raise ValueError("finished rows can only be dropped with one decoder row per sentence")
         self.reorder(rows)
-        self.write_at = self.write_at[: rows.numel()]
         self.cross_keys = [keys.index_select(0, rows) for keys in self.cross_keys]
         self.cross_values = [values.index_select(0, rows) for values in self.cross_values]
         if self.encoder_keep is not None:
@@ -123,9 +130,10 @@ class Decoder:
         self.spec = spec
 
     def start(self, rows: int, max_len: int, dtype: torch.dtype, device, *, prompt_mask=None, encoder_hidden=None,
-              encoder_mask=None, expand: int = 1) -> DecodeState:
+              encoder_mask=None, expand: int = 1, spare_positions: int = 0) -> DecodeState:
         """Allocate memory for ``rows`` decoder rows and ``max_len`` positions.
 
+        ``spare_positions`` extra cache slots take padding that is written and rolled back (drafts).
         ``prompt_mask`` [N, L] marks real prompt tokens of a (left-)padded decoder-only batch.
         Encoder inputs are per row ([N, S, E]: HF repeats each sentence ``expand`` times) and are
         de-duplicated here, so cross-attention K/V exist once per sentence.
@@ -134,11 +142,12 @@ class Decoder:
             raise ValueError(f"generation needs {max_len} positions but the model has {self.spec.position_limit} "
                              f"(max_position_embeddings)")
         first = self.spec.layers[0].self_attn
-        cache = StaticKVCache(len(self.spec.layers), rows, first.kv_heads, max_len, first.head_dim, dtype, device)
+        cache = StaticKVCache(len(self.spec.layers), rows, first.kv_heads, max_len + spare_positions, first.head_dim,
+                              dtype, device)
         next_position = POOL.take((rows,), torch.int64, device).zero_()
         key_keep = None
         if prompt_mask is not None:
-            key_keep = POOL.take((rows, max_len), torch.bool, device).fill_(True)
+            key_keep = POOL.take((rows, max_len + spare_positions), torch.bool, device).fill_(True)
             key_keep[:, : prompt_mask.shape[1]] = prompt_mask.bool()
         if encoder_hidden is None:
             return DecodeState(cache, key_keep, next_position)
@@ -152,8 +161,10 @@ class Decoder:
             cross_values.append(_split_heads(attn.v(sentences), attn.kv_heads).contiguous())
         return DecodeState(cache, key_keep, next_position, cross_keys, cross_values, encoder_keep, expand)
 
-    def step(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed ``tokens`` [N, T]; returns float32 logits of the last position, [N, V].
+    def step(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+             all_positions: bool = False) -> torch.Tensor:
+        """Feed ``tokens`` [N, T]; returns float32 logits of the last position [N, V], or of every
+        position [N, T, V] with ``all_positions`` (to verify a draft in one pass).
 
         ``positions`` [N, T] gives position ids (HF's, for padded prompts); by default each row
         continues from its last position.
@@ -164,7 +175,6 @@ class Decoder:
             raise RuntimeError(f"decoder cache of {cache.max_len} positions is full")
         if positions is None:
             positions = state.next_position[:, None] + torch.arange(length, device=tokens.device)
-        state.write_at.fill_(cache.length)
         if spec.position_table is not None:
             hidden = ops.embedding(tokens, spec.token_embedding, spec.embed_scale, spec.position_table,
                                    (positions + spec.position_offset).contiguous())
@@ -182,8 +192,9 @@ class Decoder:
             sublayers.append((lambda h, m=layer.ffn_owner: feed_forward(m, spec.block, h), layer.ffn_norm))
             hidden = run_block(spec.block, hidden, sublayers)
         cache.length += length
+        state.lengths += length
         state.next_position.copy_(positions[:, -1] + 1)
-        last = hidden[:, -1]
+        last = hidden if all_positions else hidden[:, -1]
         if spec.final_norm is not None:
             last = apply_norm(spec.final_norm, norm_kind(spec.final_norm), last)
         logits = F.linear(last, spec.lm_head)
@@ -197,7 +208,7 @@ class Decoder:
         if rotary is not None:
             query, key = self.spec.apply_rotary(query, key, *rotary)
         keys, values = state.cache.layer(index)
-        out = ops.attention(query, keys, values, key, value, state.write_at, state.key_keep, attn.scaling, True)
+        out = ops.attention(query, keys, values, key, value, state.lengths, state.key_keep, attn.scaling, True)
         return attn.out(out.view(rows, length, -1))
 
     def _cross_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor):

@@ -15,7 +15,7 @@ from lightgen.modules.decoder import Decoder
 def step_counter(monkeypatch):
     calls = []
     original = Decoder.step
-    monkeypatch.setattr(Decoder, "step", lambda self, *a: calls.append(1) or original(self, *a))
+    monkeypatch.setattr(Decoder, "step", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     return calls
 
 
@@ -309,3 +309,45 @@ def test_unpadded_prompts_without_attention_mask(family, num_beams, step_counter
     kwargs = dict(input_ids=ids, max_new_tokens=6, pad_token_id=0, num_beams=num_beams)
     assert torch.equal(accelerated.generate(**kwargs), reference.generate(**kwargs))
     assert step_counter
+
+
+def _greedy_without_processors(family, seed, batch=3):
+    accelerated, reference = _pair(family, seed)
+    for model in (accelerated, reference):
+        model.generation_config.forced_eos_token_id = None
+    ids, mask = padded_batch(family, batch, 9, seed=seed)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=14, pad_token_id=1)
+    return accelerated, reference.generate(**kwargs), kwargs
+
+
+@pytest.mark.parametrize("family", GENERATING)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_iad_drafting_from_the_input_equals_greedy(family, seed):
+    accelerated, expected, kwargs = _greedy_without_processors(family, seed)
+    assert torch.equal(accelerated.generate(**kwargs, decoding="iad"), expected)
+
+
+@pytest.mark.parametrize("family", GENERATING)
+@pytest.mark.parametrize("corrupt_every", [0, 5, 2])
+def test_iad_with_good_and_bad_drafts_equals_greedy_in_fewer_passes(family, corrupt_every, step_counter):
+    """Drafts copied from the greedy output itself (every n-th token corrupted): long acceptances,
+    rejections and anchors that move; the tokens must stay greedy's."""
+    accelerated, expected, kwargs = _greedy_without_processors(family, 5, batch=4)
+    drafts = [row.tolist() for row in expected]
+    for row in drafts:
+        for index in range(corrupt_every - 1, len(row), corrupt_every or len(row) + 1):
+            row[index] = (row[index] + 7) % 97
+    got = accelerated.generate(**kwargs, decoding="iad", max_draft=6, draft_ids=drafts)
+    assert torch.equal(got, expected)
+    generated = expected.shape[1] - (1 if family in SEQ2SEQ else kwargs["input_ids"].shape[1])
+    if corrupt_every == 0 and generated > 6:  # some random models stop at once
+        assert len(step_counter) < generated - 3, "exact drafts should need fewer decoder passes"
+
+
+def test_iad_needs_greedy_and_says_so():
+    accelerated, _ = _pair("bart", 0)
+    ids, mask = padded_batch("bart", 1, 5)
+    with pytest.warns(RuntimeWarning, match="decoding='iad' is greedy decoding"):
+        accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2, decoding="iad")
+    with pytest.raises(ValueError, match="decoding must be 'auto' or 'iad'"):
+        accelerated.generate(input_ids=ids, max_new_tokens=4, decoding="fast")
