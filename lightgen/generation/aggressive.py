@@ -28,17 +28,15 @@ def find_anchor(output: list[int], source: list[int]) -> int | None:
 
 
 def iad_greedy(decoder, state, input_ids, prompt_positions, sources: list[list[int]], eos_ids: set[int],
-               pad_token_id: int, max_length: int, max_draft: int) -> tuple[torch.Tensor, dict]:
-    """Greedy decoding, accelerated by drafts copied from ``sources``; returns (sequences, stats)."""
+               pad_token_id: int, max_length: int, max_draft: int) -> torch.Tensor:
+    """Greedy decoding, accelerated by drafts copied from ``sources``; returns the sequences."""
     rows, prompt_len = input_ids.shape
     device = input_ids.device
     sequences = torch.full((rows, max_length), pad_token_id, dtype=input_ids.dtype, device=device)
     sequences[:, :prompt_len] = input_ids
     outputs = [row.tolist() for row in input_ids]  # full sequences so far, per row
-    anchors = [0] * rows
     live = list(range(rows))  # original row index of each row still decoding
-    stats = {"iterations": 0, "tokens": 0}
-    logits = decoder.step(state, input_ids, prompt_positions, all_positions=True)[:, -1:]  # the prompt pass
+    logits = decoder.step(state, input_ids, prompt_positions)[:, None]  # the prompt pass: [rows, 1, V]
     drafts = [[] for _ in live]
     while True:
         predictions = logits.argmax(-1).tolist()  # [rows, 1 + K]
@@ -56,8 +54,6 @@ def iad_greedy(decoder, state, input_ids, prompt_positions, sources: list[list[i
                     finished.append(slot)
                     break
             outputs[row].extend(new_tokens)
-            stats["tokens"] += len(new_tokens)
-        stats["iterations"] += 1
         for row in live:
             sequences[row, : len(outputs[row])] = torch.tensor(outputs[row], dtype=sequences.dtype)
         state.roll_back(torch.tensor(rejected, device=device))
@@ -69,9 +65,8 @@ def iad_greedy(decoder, state, input_ids, prompt_positions, sources: list[list[i
             live = [live[slot] for slot in keep]
         drafts = []
         for row in live:
-            anchors[row] = find_anchor(outputs[row], sources[row])
+            start = find_anchor(outputs[row], sources[row])
             room = max_length - len(outputs[row]) - 1  # the verifier's own token needs one more place
-            start = anchors[row]
             drafts.append([] if start is None else sources[row][start:start + min(max_draft, room)])
         width = max(len(draft) for draft in drafts)
         tokens = torch.full((len(live), 1 + width), pad_token_id, dtype=input_ids.dtype, device=device)
@@ -83,4 +78,4 @@ def iad_greedy(decoder, state, input_ids, prompt_positions, sources: list[list[i
             max=decoder.spec.position_limit - 1)
         logits = decoder.step(state, tokens, positions, all_positions=True)
     final_length = max(len(output) for output in outputs)
-    return sequences[:, :final_length], stats
+    return sequences[:, :final_length]

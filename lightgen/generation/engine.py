@@ -188,7 +188,7 @@ def _iad(model, input_ids, inputs_tensor, generation_config, max_draft, draft_id
     eos = generation_config._eos_token_tensor
     pad = generation_config._pad_token_tensor
     try:
-        sequences, _ = iad_greedy(decoder, state, input_ids, model_kwargs.get("position_ids"), sources,
+        sequences = iad_greedy(decoder, state, input_ids, model_kwargs.get("position_ids"), sources,
                                   set(eos.tolist()) if eos is not None else set(),
                                   int(pad) if pad is not None else 0, generation_config.max_length, max_draft)
     finally:
