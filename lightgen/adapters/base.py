@@ -11,7 +11,7 @@ from torch import nn
 from lightgen.adapters._patch import Patcher
 from lightgen.generation import engine
 from lightgen.modules import attention as lg_attention
-from lightgen.modules.norm import norm_forward, norm_kind
+from lightgen.modules.norm import apply_norm, norm_kind
 
 PATCHER_ATTR = "_lightgen_patcher"
 
@@ -57,7 +57,7 @@ def _patch_norms(model: nn.Module, patcher: Patcher) -> None:
     for name, module in model.named_modules():
         kind = norm_kind(module)
         if kind is not None:
-            patcher.replace_forward(module, norm_forward, f"{kind}_norm", name)
+            patcher.replace_forward(module, apply_norm, f"{kind}_norm", name)
 
 
 def accelerate_model(model, **options):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightgen import ops
-from lightgen.modules.norm import apply_add_norm, apply_norm, norm_kind
+from lightgen.modules.norm import apply_add_norm, apply_norm
 
 # HF activation names (config strings) -> lightgen activation; others keep the HF FFN path.
 HF_ACTIVATIONS = {
@@ -83,19 +83,18 @@ Sublayer = Callable[[torch.Tensor], torch.Tensor]
 
 def run_block(spec: BlockSpec, hidden: torch.Tensor, sublayers: Sequence[tuple[Sublayer, nn.Module]]) -> torch.Tensor:
     """Run ``sublayers`` ((call, its norm) pairs, FFN last) with residuals, pre- or post-norm."""
-    kind = norm_kind(sublayers[0][1])
     if spec.pre_norm:
         residual = hidden
-        normed = apply_norm(sublayers[0][1], kind, hidden)
+        normed = apply_norm(sublayers[0][1], hidden)
         for index, (call, _) in enumerate(sublayers):
             out = call(normed)
             if index + 1 == len(sublayers):
                 hidden = out + residual
             else:
-                residual, normed = apply_add_norm(sublayers[index + 1][1], kind, out, residual)
+                residual, normed = apply_add_norm(sublayers[index + 1][1], out, residual)
     else:
         for call, norm in sublayers:
-            _, hidden = apply_add_norm(norm, kind, call(hidden), hidden)
+            _, hidden = apply_add_norm(norm, call(hidden), hidden)
     if spec.clamp_fp16 and hidden.dtype == torch.float16 and not torch.isfinite(hidden).all():
         clamp_value = torch.finfo(hidden.dtype).max - 1000
         hidden = torch.clamp(hidden, min=-clamp_value, max=clamp_value)

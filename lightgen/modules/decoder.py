@@ -18,7 +18,7 @@ from torch import nn
 from lightgen import ops
 from lightgen.modules.block import BlockSpec, feed_forward, run_block
 from lightgen.modules.kv_cache import POOL, StaticKVCache
-from lightgen.modules.norm import apply_norm, norm_kind
+from lightgen.modules.norm import apply_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +182,7 @@ class Decoder:
             hidden = ops.embedding(tokens, spec.token_embedding, spec.embed_scale)
         rotary = spec.rotary(hidden, positions) if spec.rotary is not None else None
         if spec.embedding_norm is not None:
-            hidden = apply_norm(spec.embedding_norm, norm_kind(spec.embedding_norm), hidden)
+            hidden = apply_norm(spec.embedding_norm, hidden)
         for index, layer in enumerate(spec.layers):
             sublayers = [(lambda h, i=index, a=layer.self_attn: self._self_attention(state, i, a, h, rotary),
                           layer.self_norm)]
@@ -196,7 +196,7 @@ class Decoder:
         state.next_position.copy_(positions[:, -1] + 1)
         last = hidden if all_positions else hidden[:, -1]
         if spec.final_norm is not None:
-            last = apply_norm(spec.final_norm, norm_kind(spec.final_norm), last)
+            last = apply_norm(spec.final_norm, last)
         logits = F.linear(last, spec.lm_head)
         if spec.logits_bias is not None:
             logits = logits + spec.logits_bias

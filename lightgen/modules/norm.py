@@ -17,22 +17,15 @@ def norm_kind(module: nn.Module) -> str | None:
     return None
 
 
-def norm_eps(module: nn.Module) -> float:
-    return module.eps if isinstance(module, nn.LayerNorm) else module.variance_epsilon
-
-
-def apply_norm(module: nn.Module, kind: str, x):
-    if kind == "layer":
+def apply_norm(module: nn.Module, x):
+    """The module's norm (LayerNorm or RMSNorm, by type) on lightgen's op."""
+    if isinstance(module, nn.LayerNorm):
         return ops.layer_norm(x, module.weight, module.bias, module.eps)
     return ops.rms_norm(x, module.weight, module.variance_epsilon)
 
 
-def apply_add_norm(module: nn.Module, kind: str, x, residual):
+def apply_add_norm(module: nn.Module, x, residual):
     """(x + residual, norm(x + residual))."""
-    if kind == "layer":
+    if isinstance(module, nn.LayerNorm):
         return ops.add_layer_norm(x, residual, module.weight, module.bias, module.eps)
     return ops.add_rms_norm(x, residual, module.weight, module.variance_epsilon)
-
-
-def norm_forward(module: nn.Module, x):
-    return apply_norm(module, norm_kind(module), x)
