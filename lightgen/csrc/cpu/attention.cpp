@@ -54,13 +54,14 @@ Tensor prepare_mask(const Tensor& mask, int64_t B, int64_t Hq, int64_t Tq, int64
 template <typename scalar_t>
 void write_new_kv(const Tensor& src, Tensor& cache, const std::vector<int64_t>& pos) {
   const int64_t B = src.size(0), H = src.size(1), T = src.size(2), D = src.size(3);
+  const scalar_t* src_base = src.data_ptr<scalar_t>();
+  scalar_t* cache_base = cache.data_ptr<scalar_t>();
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       for (int64_t t = 0; t < T; ++t) {
-        const scalar_t* s = src.data_ptr<scalar_t>() + b * src.stride(0) + h * src.stride(1) + t * src.stride(2);
-        scalar_t* d = cache.data_ptr<scalar_t>() + b * cache.stride(0) + h * cache.stride(1) +
-                      (pos[b] + t) * cache.stride(2);
+        const scalar_t* s = src_base + b * src.stride(0) + h * src.stride(1) + t * src.stride(2);
+        scalar_t* d = cache_base + b * cache.stride(0) + h * cache.stride(1) + (pos[b] + t) * cache.stride(2);
         std::copy(s, s + D, d);
       }
     }
@@ -74,6 +75,14 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
   const int64_t group = Hq / k.size(1);
   const int64_t Tk = k.size(2);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(Tk * D, 1));
+  // Base pointers and strides once, not per (batch, head, query) task.
+  const scalar_t* q_base = q.data_ptr<scalar_t>();
+  const scalar_t* k_base = k.data_ptr<scalar_t>();
+  const scalar_t* v_base = v.data_ptr<scalar_t>();
+  scalar_t* out_base = out.data_ptr<scalar_t>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
   at::parallel_for(0, B * Hq * Tq, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(Tk), acc(D), qbuf, kbuf, vbuf;
     for (int64_t task = begin; task < end; ++task) {
@@ -81,12 +90,12 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
       const int64_t hk = h / group;
       const int64_t len = key_len[b];
       const int64_t last = causal ? len - Tq + i : len - 1;  // bottom-right aligned causal window
-      const float* qf = as_float(q.data_ptr<scalar_t>() + b * q.stride(0) + h * q.stride(1) + i * q.stride(2), D, qbuf);
-      const scalar_t* kb = k.data_ptr<scalar_t>() + b * k.stride(0) + hk * k.stride(1);
-      const scalar_t* vb = v.data_ptr<scalar_t>() + b * v.stride(0) + hk * v.stride(1);
+      const float* qf = as_float(q_base + b * qs0 + h * qs1 + i * qs2, D, qbuf);
+      const scalar_t* kb = k_base + b * ks0 + hk * ks1;
+      const scalar_t* vb = v_base + b * vs0 + hk * vs1;
       float max_score = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j <= last; ++j) {
-        float s = row_dot(qf, as_float(kb + j * k.stride(2), D, kbuf), D) * scale + mask.bias(b, h, i, j);
+        float s = row_dot(qf, as_float(kb + j * ks2, D, kbuf), D) * scale + mask.bias(b, h, i, j);
         scores[j] = s;
         max_score = std::max(max_score, s);
       }
@@ -96,12 +105,12 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
         for (int64_t j = 0; j <= last; ++j) {
           const float p = std::exp(scores[j] - max_score);
           denom += p;
-          if (p != 0.f) row_axpy(p, as_float(vb + j * v.stride(2), D, vbuf), acc.data(), D);
+          if (p != 0.f) row_axpy(p, as_float(vb + j * vs2, D, vbuf), acc.data(), D);
         }
         const float inv = 1.f / denom;
         for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
       }
-      store_row(acc.data(), out.data_ptr<scalar_t>() + ((b * Tq + i) * Hq + h) * D, D);
+      store_row(acc.data(), out_base + ((b * Tq + i) * Hq + h) * D, D);
     }
   });
 }
