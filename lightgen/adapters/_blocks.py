@@ -10,15 +10,12 @@ from lightgen import ops
 from lightgen.adapters._patch import Patcher
 
 
-def patch_matching(model: nn.Module, patcher: Patcher, class_suffix: str, fast: Callable, label: str) -> int:
+def patch_matching(model: nn.Module, patcher: Patcher, class_suffix: str, fast: Callable, label: str) -> None:
     """Give every submodule whose class name ends with ``class_suffix`` the inference forward
-    ``fast(module, ...)``; returns how many were patched."""
-    count = 0
+    ``fast(module, ...)``."""
     for name, module in model.named_modules():
         if type(module).__name__.endswith(class_suffix):
             patcher.replace_forward(module, fast, label, name)
-            count += 1
-    return count
 
 
 def patch_scaled_embeddings(model: nn.Module, patcher: Patcher) -> None:
