@@ -5,9 +5,11 @@
 Two random-weight models (a BART-size encoder-decoder and a GPT-2-small-size decoder) generate a
 fixed number of new tokens with greedy search, beam search and top-k sampling at several batch
 sizes. Providers: ``hf``, the unpatched model's ``generate``; ``lightgen``, a deep copy of the same
-model after ``lightgen.accelerate_model``; and ``ctranslate2``, the same weights converted, when the
-package is installed. Each provider's first call is checked (lightgen must return HF's greedy and
-beam tokens exactly) and measured for peak memory before the interleaved timing. The run also
+model after ``lightgen.accelerate_model``; ``lightgen-int8``, the same with ``quantize="int8"``;
+and ``ctranslate2`` / ``ctranslate2-int8``, the same weights converted (compute_type float32 /
+int8), when the package is installed. Each provider's first call is checked (lightgen must return
+HF's greedy and beam tokens exactly; the int8 providers report their token agreement with HF's
+fp32 output) and measured for peak memory before the interleaved timing. The run also
 measures the machine's memory bandwidth and, for batch-1 greedy decoding, how close each provider
 gets to the time it takes just to read the decoder's weights once per step.
 Prints markdown tables and writes <out>/generate.json and (with matplotlib) <out>/generate.png.
@@ -53,6 +55,8 @@ TOP_K = 50
 SEED = 0
 BANDWIDTH_TENSOR_BYTES = 256 << 20  # far beyond the last-level cache, so every byte comes from DRAM
 HF, LIGHTGEN, CT2 = "hf", "lightgen", "ctranslate2"
+LIGHTGEN_INT8, CT2_INT8 = "lightgen-int8", "ctranslate2-int8"
+PROVIDERS = (HF, LIGHTGEN, LIGHTGEN_INT8, CT2, CT2_INT8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +72,7 @@ class Settings(Sampling):
 # One generate() call lasts 0.1-20 s, so a sample is a single call, and the first (checking) call is the warm-up.
 # Full mode: batch 32 × beam 4 (128 rows) would cost 1-2 minutes per model on 2 cores, so it is left out.
 FULL = Settings(samples=5, min_sample_s=0.0, max_measure_s=8.0, min_samples=2, warmup_calls=0,
-                new_tokens=64, batch_sizes=(1, 8, 32), bart_layers=6, gpt2_layers=12, max_rows=32, run_budget_s=720)
+                new_tokens=64, batch_sizes=(1, 8, 32), bart_layers=6, gpt2_layers=12, max_rows=32, run_budget_s=1200)
 QUICK = Settings(samples=3, min_sample_s=0.0, max_measure_s=1.0, min_samples=2, warmup_calls=0,
                  new_tokens=16, batch_sizes=(1, 8), bart_layers=2, gpt2_layers=2, max_rows=32, run_budget_s=100)
 BANDWIDTH_SAMPLING = Sampling(samples=9, min_sample_s=0.0, max_measure_s=2.0, min_samples=3, warmup_calls=1)
@@ -195,15 +199,15 @@ def save_for_ctranslate2(model: transformers.PreTrainedModel, spec: ModelSpec, d
 class CTranslate2Generate:
     """The same weights converted to CTranslate2: a Translator for encoder-decoders, a Generator otherwise."""
 
-    name = CT2
-
-    def __init__(self, model: transformers.PreTrainedModel, spec: ModelSpec, workdir: Path):
+    def __init__(self, model: transformers.PreTrainedModel, spec: ModelSpec, workdir: Path, compute_type: str):
+        self.name = CT2 if compute_type == "float32" else CT2_INT8
         hf_dir, ct2_dir = workdir / "hf", workdir / "ct2"
-        save_for_ctranslate2(model, spec, hf_dir)
-        ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(ct2_dir))
+        if not ct2_dir.exists():  # one conversion serves both compute types
+            save_for_ctranslate2(model, spec, hf_dir)
+            ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(ct2_dir))
         self.encoder_decoder = model.config.is_encoder_decoder
         runner = ctranslate2.Translator if self.encoder_decoder else ctranslate2.Generator
-        self.runner = runner(str(ct2_dir), device="cpu", compute_type="float32",
+        self.runner = runner(str(ct2_dir), device="cpu", compute_type=compute_type,
                              intra_threads=torch.get_num_threads(), inter_threads=1)
 
     def prepare(self, prompts: torch.Tensor, decoding: Decoding, new_tokens: int) -> Callable[[], list]:
@@ -233,15 +237,15 @@ class CTranslate2Generate:
 CT2_CONVERTED = "converted"
 
 
-def ctranslate2_provider(model: transformers.PreTrainedModel, spec: ModelSpec,
-                         workdir: Path) -> tuple[CTranslate2Generate | None, str]:
-    """The CTranslate2 provider and CT2_CONVERTED, or None and why there is none."""
+def ctranslate2_providers(model: transformers.PreTrainedModel, spec: ModelSpec,
+                          workdir: Path) -> tuple[list[CTranslate2Generate], str]:
+    """The CTranslate2 providers (float32, int8) and CT2_CONVERTED, or none and why."""
     if ctranslate2 is None:
-        return None, "not installed"
+        return [], "not installed"
     try:
-        return CTranslate2Generate(model, spec, workdir), CT2_CONVERTED
+        return [CTranslate2Generate(model, spec, workdir, compute) for compute in ("float32", "int8")], CT2_CONVERTED
     except Exception as error:  # a converter out of step with transformers should cost only this column
-        return None, f"conversion failed: {type(error).__name__}: {error}"
+        return [], f"conversion failed: {type(error).__name__}: {error}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,7 +311,7 @@ class CaseResult:
     peak_rss_growth_mb: dict[str, float | None]
     lightgen_matches_hf: bool
     must_match: bool
-    ctranslate2_token_match: float | None  # share of new tokens equal to HF's; None for sampling or no CT2
+    token_match: dict[str, float]  # greedy and beam: share of each other provider's new tokens equal to HF's
     warnings: dict[str, list[str]]  # raised during each provider's first call
 
     def ms_per_step(self, provider: str) -> float | None:
@@ -329,7 +333,9 @@ class CaseResult:
                      for name in self.timings}
         speedups = {"lightgen_vs_hf": self.speedup(LIGHTGEN, HF),
                     "lightgen_vs_ctranslate2": self.speedup(LIGHTGEN, CT2),
-                    "ctranslate2_vs_hf": self.speedup(CT2, HF)}
+                    "ctranslate2_vs_hf": self.speedup(CT2, HF),
+                    "lightgen_int8_vs_hf": self.speedup(LIGHTGEN_INT8, HF),
+                    "lightgen_int8_vs_ctranslate2_int8": self.speedup(LIGHTGEN_INT8, CT2_INT8)}
         return {**dataclasses.asdict(self), "per_provider": providers, "speedups": speedups}
 
 
@@ -348,14 +354,15 @@ def run_case(providers: list[HFGenerate | CTranslate2Generate], label: str, prom
     if decoding.deterministic and not lightgen_matches:
         print(f"!!! MISMATCH: lightgen's {decoding.name} tokens differ from HF's ({label}, batch {prompts.shape[0]})",
               file=sys.stderr)
-    ct2_match = None
-    if CT2 in new_ids and decoding.deterministic:
-        same_shape = new_ids[CT2].shape == new_ids[HF].shape
-        ct2_match = (new_ids[CT2] == new_ids[HF]).float().mean().item() if same_shape else 0.0
+    token_match = {}
+    if decoding.deterministic:
+        for name, ids in new_ids.items():
+            same_shape = ids.shape == new_ids[HF].shape
+            token_match[name] = (ids == new_ids[HF]).float().mean().item() if same_shape else 0.0
 
     timings = measure(calls, settings)
     return CaseResult(label, prompts.shape[0], decoding.name, settings.new_tokens, timings, rss_growth,
-                      lightgen_matches, decoding.deterministic, ct2_match, caught)
+                      lightgen_matches, decoding.deterministic, token_match, caught)
 
 
 @dataclasses.dataclass
@@ -382,15 +389,15 @@ def benchmark_model(spec: ModelSpec, settings: Settings, bandwidth_gb_s: float,
     label = spec.label(settings)
     model = build_model(spec, settings)
     accelerated = lightgen.accelerate_model(copy.deepcopy(model))
+    quantized = lightgen.accelerate_model(copy.deepcopy(model), quantize="int8")
     weight_bytes = decoder_bytes_per_step(spec, model)
     results, skipped = [], []
     with tempfile.TemporaryDirectory() as workdir:
-        ct2_provider, ct2_state = ctranslate2_provider(model, spec, Path(workdir))
+        ct2, ct2_state = ctranslate2_providers(model, spec, Path(workdir))
         if ctranslate2 is not None:
             print(f"{label}: ctranslate2 {ct2_state}", file=sys.stderr)
-        providers = [HFGenerate(HF, model), HFGenerate(LIGHTGEN, accelerated)]
-        if ct2_provider:
-            providers.append(ct2_provider)
+        providers = [HFGenerate(HF, model), HFGenerate(LIGHTGEN, accelerated), HFGenerate(LIGHTGEN_INT8, quantized),
+                     *ct2]
         for batch in settings.batch_sizes:
             prompts = torch.randint(FIRST_PROMPT_ID, VOCAB, (batch, PROMPT_TOKENS),
                                     generator=torch.Generator().manual_seed(batch))
@@ -432,34 +439,37 @@ def format_percent(value: float | None) -> str:
 
 
 def results_table(results: list[CaseResult]) -> list[str]:
+    names = " / ".join(PROVIDERS)
     lines = [
-        "| model | batch | decoding | HF ms/step | lightgen ms/step | CT2 ms/step | HF tok/s | lightgen tok/s | "
-        "CT2 tok/s | lightgen vs HF | lightgen vs CT2 | peak RSS +MB HF / lightgen / CT2 | lightgen = HF | "
-        "CT2 = HF tokens |",
-        "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|",
+        f"| model | batch | decoding | ms/step {names} | lightgen vs HF | lightgen vs CT2 | int8: lightgen vs HF | "
+        f"int8: lightgen vs CT2 | peak RSS +MB {names} | lightgen = HF | tokens = HF fp32: lightgen-int8 / CT2 / "
+        "CT2-int8 |",
+        "|---|--:|---|--:|--:|--:|--:|--:|--:|---|--:|",
     ]
     for result in results:
-        rss = " / ".join(format_number(result.peak_rss_growth_mb.get(name), 0) for name in (HF, LIGHTGEN, CT2))
+        ms = " / ".join(format_ms(result, name) for name in PROVIDERS)
+        rss = " / ".join(format_number(result.peak_rss_growth_mb.get(name), 0) for name in PROVIDERS)
+        agreement = " / ".join(format_percent(result.token_match.get(name)) for name in (LIGHTGEN_INT8, CT2, CT2_INT8))
         lines.append(
-            f"| {result.model} | {result.batch} | {result.decoding} | {format_ms(result, HF)} | "
-            f"{format_ms(result, LIGHTGEN)} | {format_ms(result, CT2)} | "
-            + " | ".join(format_number(result.tokens_per_s(name), 0) for name in (HF, LIGHTGEN, CT2))
-            + f" | {format_speedup(result.speedup(LIGHTGEN, HF))} | {format_speedup(result.speedup(LIGHTGEN, CT2))} | "
-            f"{rss} | {format_match(result)} | {format_percent(result.ctranslate2_token_match)} |")
+            f"| {result.model} | {result.batch} | {result.decoding} | {ms} | "
+            f"{format_speedup(result.speedup(LIGHTGEN, HF))} | {format_speedup(result.speedup(LIGHTGEN, CT2))} | "
+            f"{format_speedup(result.speedup(LIGHTGEN_INT8, HF))} | "
+            f"{format_speedup(result.speedup(LIGHTGEN_INT8, CT2_INT8))} | {rss} | {format_match(result)} | "
+            f"{agreement} |")
     return lines
 
 
 def memory_bound_table(models: list[ModelReport], results: list[CaseResult]) -> list[str]:
     lines = [
-        "| model | weights read per step MB | limit ms/step | HF | lightgen | CT2 |",
-        "|---|--:|--:|--:|--:|--:|",
+        "| model | fp32 weights read per step MB | limit ms/step | " + " | ".join(PROVIDERS) + " |",
+        "|---|--:|--:|" + "--:|" * len(PROVIDERS),
     ]
     for model in models:
         greedy = next((r for r in results if r.model == model.label and r.batch == 1 and r.decoding == "greedy"), None)
         if greedy is None:  # skipped for lack of time
             continue
         reached = []
-        for name in (HF, LIGHTGEN, CT2):
+        for name in PROVIDERS:
             ms = greedy.ms_per_step(name)
             reached.append(f"{ms:,.1f} ms ({model.memory_bound_ms_per_step / ms:.0%})" if ms else "–")
         lines.append(f"| {model.label} | {model.decoder_bytes_per_step / 2**20:,.0f} | "
@@ -475,7 +485,7 @@ def markdown(env: dict, settings: Settings, bandwidth: dict[str, float], models:
         ct2_line = f"ctranslate2: skipped, {CT2_MISSING}"
     else:
         failures = [f"{m.label}: {m.ctranslate2}" for m in models if m.ctranslate2 != CT2_CONVERTED]
-        ct2_line = (f"ctranslate2 {ctranslate2.__version__} = the same weights converted, float32, "
+        ct2_line = (f"ctranslate2 {ctranslate2.__version__} = the same weights converted, float32 and int8, "
                     f"intra_threads={threads}" + (f" (skipped for {'; '.join(failures)})" if failures else ""))
     lines = [
         "## lightgen generate() benchmarks",
@@ -490,7 +500,8 @@ def markdown(env: dict, settings: Settings, bandwidth: dict[str, float], models:
         "one is 50257, cut to keep the run short); HF attention: "
         + ", ".join(f"{m.label} {m.hf_attention}" for m in models),
         "- providers: hf = the unpatched model's generate(); lightgen = a deep copy after "
-        f"lightgen.accelerate_model; {ct2_line}",
+        f"lightgen.accelerate_model; lightgen-int8 = accelerate_model(quantize=\"int8\"), weight-only int8; "
+        f"{ct2_line}",
         "- ms/step = one generate() call / new tokens (the encoder or prompt pass included); tok/s = batch × new "
         "tokens / call time; lightgen vs X = X's time / lightgen's (above 1×: lightgen faster); peak RSS: MB the "
         "process's peak rose during the first call, above its level after free heap memory was returned",
@@ -507,7 +518,8 @@ def markdown(env: dict, settings: Settings, bandwidth: dict[str, float], models:
         "- limit = the time to read the decoder layers' and LM head's weights (cross-attention K/V projections "
         f"excepted: they run once per sequence) at the best of those rates, {max(bandwidth.values()):.1f} GB/s; "
         "each provider's ms/step, with the share of that limit it reaches in brackets (its ms/step includes the "
-        "prompt pass, so the share is a lower bound; above 100% means the probe under-measured the machine)",
+        "prompt pass, so the share is a lower bound; int8 providers read a quarter of the bytes, so they can pass "
+        "100%)",
         "",
         *memory_bound_table(models, results),
     ]
@@ -523,7 +535,7 @@ def markdown(env: dict, settings: Settings, bandwidth: dict[str, float], models:
 
 def draw_chart(plt, env: dict, results: list[CaseResult]):
     labels = [f"{r.model} b={r.batch} {r.decoding}" for r in results]
-    providers = [name for name in (LIGHTGEN, CT2) if any(name in r.timings for r in results)]
+    providers = [name for name in PROVIDERS[1:] if any(name in r.timings for r in results)]
     bar_height = 0.8 / len(providers)
     fig, ax = plt.subplots(figsize=(10, 0.4 * len(results) + 1.8))
     for index, name in enumerate(providers):

@@ -34,6 +34,8 @@ class Patcher:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.previous_attn_implementation: str | None = None
+        self.quantize: str | None = None  # accelerate_model's weight options
+        self.pack = True
         self._edits: list[tuple[Any, str, Any]] = []
         self.patched: list[str] = []  # human-readable summary, one line per patched module
 

@@ -72,7 +72,7 @@ def bart_decoder(model) -> Decoder | None:
     )
     return Decoder(DecoderSpec(
         block=_spec(model.config, encoder=False), layers=layers, token_embedding=embed_tokens.weight,
-        lm_head=model.lm_head.weight, embed_scale=float(scale or 1.0), position_table=decoder.embed_positions.weight,
+        lm_head=model.lm_head, embed_scale=float(scale or 1.0), position_table=decoder.embed_positions.weight,
         position_offset=getattr(decoder.embed_positions, "offset", 0),
         embedding_norm=getattr(decoder, "layernorm_embedding", None), final_norm=getattr(decoder, "layer_norm", None),
         logits_bias=getattr(model, "final_logits_bias", None),

@@ -46,7 +46,7 @@ def gpt2_decoder(model) -> Decoder | None:
         for block in transformer.h
     )
     return Decoder(DecoderSpec(block=_block_spec(model.config), layers=layers, token_embedding=transformer.wte.weight,
-                               lm_head=model.lm_head.weight, position_table=transformer.wpe.weight,
+                               lm_head=model.lm_head, position_table=transformer.wpe.weight,
                                final_norm=transformer.ln_f))
 
 

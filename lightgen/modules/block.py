@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightgen import ops
+from lightgen.modules.linear import kernel_weights
 from lightgen.modules.norm import apply_add_norm, apply_norm
 
 # HF activation names (config strings) -> lightgen activation; others keep the HF FFN path.
@@ -71,7 +72,10 @@ def feed_forward(ffn_owner: nn.Module, spec: BlockSpec, x: torch.Tensor) -> torc
             hidden = ops.gated_act(gate(x), up(x), spec.act)
     else:
         fc_in = getattr(ffn_owner, spec.ffn_in[0])
-        if _use_hf_activation(spec, x):
+        weights = kernel_weights(fc_in, x) if spec.act is not None else None
+        if weights is not None:
+            hidden = weights.run(x, fc_in.bias, spec.act)
+        elif _use_hf_activation(spec, x):
             hidden = getattr(ffn_owner, spec.act_module)(fc_in(x))
         else:
             hidden = ops.bias_act(_matmul_no_bias(fc_in, x), fc_in.bias, spec.act)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightgen import ops
@@ -56,7 +55,7 @@ class DecoderSpec:
     block: BlockSpec
     layers: tuple[DecoderLayerWeights, ...]
     token_embedding: torch.Tensor  # [V, E]
-    lm_head: torch.Tensor  # [V, E]
+    lm_head: nn.Module  # the model's output projection (patched: it runs the decode matmul)
     embed_scale: float = 1.0
     position_table: torch.Tensor | None = None  # [P, E]: learned, or a fixed sinusoidal table
     position_offset: int = 0  # BART's learned positions start at index 2
@@ -197,7 +196,7 @@ class Decoder:
         last = hidden if all_positions else hidden[:, -1]
         if spec.final_norm is not None:
             last = apply_norm(spec.final_norm, last)
-        logits = F.linear(last, spec.lm_head)
+        logits = spec.lm_head(last)
         if spec.logits_bias is not None:
             logits = logits + spec.logits_bias
         return logits.float()

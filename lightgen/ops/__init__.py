@@ -5,10 +5,12 @@ what runs when a kernel could not be built.
 """
 
 from lightgen.ops import activation, attention as _attention_mod, beam, embedding as _embedding_mod, norm
+from lightgen.ops import linear as _linear_mod
 from lightgen.ops.activation import ACTIVATIONS, bias_act, bias_act_ref, gated_act, gated_act_ref
 from lightgen.ops.attention import attention, attention_ref
 from lightgen.ops.beam import beam_topk, beam_topk_ref
 from lightgen.ops.embedding import embedding, embedding_ref
+from lightgen.ops.linear import linear, linear_ref
 from lightgen.ops.norm import (
     add_layer_norm,
     add_layer_norm_ref,
@@ -22,7 +24,7 @@ from lightgen.ops.norm import (
 
 REFERENCES = {}
 FAKES = {}
-for _module in (norm, activation, _attention_mod, _embedding_mod, beam):
+for _module in (norm, activation, _attention_mod, _embedding_mod, _linear_mod, beam):
     REFERENCES.update(_module.REFERENCES)
     FAKES.update(_module.FAKES)
 
@@ -38,6 +40,7 @@ __all__ = [
     "gated_act",
     "attention",
     "embedding",
+    "linear",
     "beam_topk",
     "layer_norm_ref",
     "add_layer_norm_ref",
@@ -47,5 +50,6 @@ __all__ = [
     "gated_act_ref",
     "attention_ref",
     "embedding_ref",
+    "linear_ref",
     "beam_topk_ref",
 ]

@@ -1,0 +1,354 @@
+// Decode-shaped linear layer: y = act(x @ W^T * scale + bias) for a few rows of x (M = batch x
+// beams x new tokens). Each thread owns a range of output columns and streams its weight rows
+// once for all M rows, so batch 8 costs little more memory traffic than batch 1. W stays in
+// nn.Linear's own [N, K] layout (no packed copy: state_dict and restore stay exact for free);
+// int8 (per-output-channel scale) and bf16 weights are widened to float in registers.
+#include <immintrin.h>
+#include <torch/library.h>
+#include <cstring>
+#include <type_traits>
+#include "../include/act.h"
+#include "../include/checks.h"
+
+namespace lightgen {
+namespace {
+
+using at::Tensor;
+
+inline float widen(float w) { return w; }
+inline float widen(int8_t w) { return static_cast<float>(w); }
+inline float widen(c10::BFloat16 w) { return static_cast<float>(w); }
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// out[0..3] = the lane sums of h[0..3], three horizontal adds for all four instead of four reductions.
+inline void store_sum4(const __m256* h, float* out) {
+  __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1)));
+}
+#endif
+
+// One SIMD register of floats, with loads that widen int8 and bf16 weights on the way in.
+#if defined(CPU_CAPABILITY_AVX512)
+struct Lanes {
+  using V = __m512;
+  static constexpr int64_t size = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V load(const c10::BFloat16* p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V broadcast(float v) { return _mm512_set1_ps(v); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static void sum4(const V* v, float* out) {
+    __m256 h[4];
+    for (int j = 0; j < 4; ++j) h[j] = _mm256_add_ps(_mm512_castps512_ps256(v[j]), _mm512_extractf32x8_ps(v[j], 1));
+    store_sum4(h, out);
+  }
+};
+#elif defined(CPU_CAPABILITY_AVX2)
+struct Lanes {
+  using V = __m256;
+  static constexpr int64_t size = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V load(const c10::BFloat16* p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V broadcast(float v) { return _mm256_set1_ps(v); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static void sum4(const V* v, float* out) { store_sum4(v, out); }
+  static float sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+#else
+struct Lanes {
+  using V = float;
+  static constexpr int64_t size = 1;
+  static V zero() { return 0.f; }
+  template <typename W>
+  static V load(const W* p) { return widen(*p); }
+  static V fma(V a, V b, V c) { return a * b + c; }
+  static V broadcast(float v) { return v; }
+  static void store(float* p, V v) { *p = v; }
+  static float sum(V v) { return v; }
+  static void sum4(const V* v, float* out) { std::copy(v, v + 4, out); }
+};
+#endif
+
+using V = Lanes::V;
+// Register tile: kRows x kCols accumulators + kCols weight vectors. 3 x 8 measured best on AVX-512 (Zen 4)
+// among 2x8, 3x8, 4x4, 8x2, 8x4, 2x12: 8 weight rows in flight keep the loads streaming at batch 1.
+constexpr int64_t kCols = 8;
+constexpr int64_t kRows = 3;
+
+// out[i * ld_out + j] = dot(x row i, w row j) for an rows x cols tile.
+template <int64_t rows, int64_t cols, typename W>
+inline void dot_tile(const float* x, int64_t ld_x, const W* w, int64_t k_len, float* out, int64_t ld_out) {
+  V acc[rows][cols];
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) acc[i][j] = Lanes::zero();
+  int64_t k = 0;
+  for (; k + Lanes::size <= k_len; k += Lanes::size) {
+    V wv[cols];
+    for (int64_t j = 0; j < cols; ++j) wv[j] = Lanes::load(w + j * k_len + k);
+    for (int64_t i = 0; i < rows; ++i) {
+      V xv = Lanes::load(x + i * ld_x + k);
+      for (int64_t j = 0; j < cols; ++j) acc[i][j] = Lanes::fma(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    float* row = out + i * ld_out;
+    if constexpr (cols % 4 == 0) {
+      for (int64_t j = 0; j < cols; j += 4) Lanes::sum4(acc[i] + j, row + j);
+    } else {
+      for (int64_t j = 0; j < cols; ++j) row[j] = Lanes::sum(acc[i][j]);
+    }
+    for (int64_t j = 0; j < cols; ++j)
+      for (int64_t t = k; t < k_len; ++t) row[j] += x[i * ld_x + t] * widen(w[j * k_len + t]);
+  }
+}
+
+// All M rows against ``cols`` weight rows, which stay in L1 across row tiles (tails: 1 or 2 rows).
+template <int64_t cols, typename W>
+inline void dot_columns(const float* x, int64_t m, int64_t ld_x, const W* w, int64_t k_len, float* y, int64_t ld_y) {
+  int64_t i = 0;
+  for (; i + kRows <= m; i += kRows) dot_tile<kRows, cols>(x + i * ld_x, ld_x, w, k_len, y + i * ld_y, ld_y);
+  switch (m - i) {
+    case 2: return dot_tile<2, cols>(x + i * ld_x, ld_x, w, k_len, y + i * ld_y, ld_y);
+    case 1: return dot_tile<1, cols>(x + i * ld_x, ld_x, w, k_len, y + i * ld_y, ld_y);
+    default: return;
+  }
+}
+
+// y[:, lo:hi] = act(y * scale + bias), in place.
+template <Act act>
+void epilogue(float* y, int64_t m, int64_t ld_y, int64_t lo, int64_t hi, const float* scale, const float* bias) {
+  for (int64_t i = 0; i < m; ++i) {
+    float* row = y + i * ld_y;
+    for (int64_t j = lo; j < hi; j += fVec::size()) {
+      const int64_t len = std::min<int64_t>(fVec::size(), hi - j);
+      fVec v = fVec::loadu(row + j, len);
+      if (scale) v = v * fVec::loadu(scale + j, len);
+      if (bias) v = v + fVec::loadu(bias + j, len);
+      apply_act<act>(v).store(row + j, len);
+    }
+  }
+}
+
+void run_epilogue(Act act, float* y, int64_t m, int64_t ld_y, int64_t lo, int64_t hi, const float* scale,
+                  const float* bias) {
+  switch (act) {
+    case Act::kGelu: return epilogue<Act::kGelu>(y, m, ld_y, lo, hi, scale, bias);
+    case Act::kGeluTanh: return epilogue<Act::kGeluTanh>(y, m, ld_y, lo, hi, scale, bias);
+    case Act::kRelu: return epilogue<Act::kRelu>(y, m, ld_y, lo, hi, scale, bias);
+    case Act::kSilu: return epilogue<Act::kSilu>(y, m, ld_y, lo, hi, scale, bias);
+    case Act::kNone:
+      if (scale || bias) epilogue<Act::kNone>(y, m, ld_y, lo, hi, scale, bias);
+      return;
+  }
+}
+
+// Column blocks per parallel task: each task streams at least ~64 KB of weights, below which
+// OpenMP fork/join costs more than the second thread saves (decode shapes, measured).
+inline int64_t column_grain(int64_t k_len, int64_t weight_bytes) {
+  return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(k_len * weight_bytes * kCols, 1));
+}
+
+// Panel kernels: the weight is read as rows of kPanel output columns, k after k, and each step
+// broadcasts one x value against a row segment, so no horizontal sums are needed. Two layouts:
+// HF Conv1D's own [K, N] weight (row stride N, no copy) and packed panels [N / kPanel, K, kPanel]
+// (row stride kPanel: one sequential stream per thread), which quantized weights are stored in.
+constexpr int64_t kPanel = 64;
+constexpr int64_t kPanelVecs = kPanel / Lanes::size;
+constexpr int64_t kPanelRows = kPanelVecs <= 4 ? 4 : 1;  // accumulators must fit the register file
+
+template <int64_t rows, typename W>
+inline void panel_tile(const float* x, int64_t ld_x, const W* w, int64_t ld_w, int64_t k_len, float* y,
+                       int64_t ld_y) {
+  V acc[rows][kPanelVecs];
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t v = 0; v < kPanelVecs; ++v) acc[i][v] = Lanes::zero();
+  for (int64_t k = 0; k < k_len; ++k) {
+    V wv[kPanelVecs];
+    for (int64_t v = 0; v < kPanelVecs; ++v) wv[v] = Lanes::load(w + k * ld_w + v * Lanes::size);
+    for (int64_t i = 0; i < rows; ++i) {
+      V xv = Lanes::broadcast(x[i * ld_x + k]);
+      for (int64_t v = 0; v < kPanelVecs; ++v) acc[i][v] = Lanes::fma(xv, wv[v], acc[i][v]);
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t v = 0; v < kPanelVecs; ++v) Lanes::store(y + i * ld_y + v * Lanes::size, acc[i][v]);
+}
+
+// One panel (kPanel columns starting at y) for all m rows; ``cols`` < kPanel for a packed tail panel,
+// whose padding columns go to a scratch row instead of y.
+template <typename W>
+void panel_columns(const float* x, int64_t m, int64_t k_len, const W* w, int64_t ld_w, int64_t cols, float* y,
+                   int64_t ld_y) {
+  float scratch[kPanelRows * kPanel];
+  for (int64_t i = 0; i < m; i += kPanelRows) {
+    const int64_t rows = std::min(kPanelRows, m - i);
+    float* out = cols == kPanel ? y + i * ld_y : scratch;
+    const int64_t ld_out = cols == kPanel ? ld_y : kPanel;
+    const float* xi = x + i * k_len;
+    if constexpr (kPanelRows == 4) {
+      switch (rows) {
+        case 4: panel_tile<4>(xi, k_len, w, ld_w, k_len, out, ld_out); break;
+        case 3: panel_tile<3>(xi, k_len, w, ld_w, k_len, out, ld_out); break;
+        case 2: panel_tile<2>(xi, k_len, w, ld_w, k_len, out, ld_out); break;
+        default: panel_tile<1>(xi, k_len, w, ld_w, k_len, out, ld_out); break;
+      }
+    } else {
+      panel_tile<1>(xi, k_len, w, ld_w, k_len, out, ld_out);
+    }
+    if (out == scratch)
+      for (int64_t r = 0; r < rows; ++r) std::copy(scratch + r * kPanel, scratch + r * kPanel + cols, y + (i + r) * ld_y);
+  }
+}
+
+inline int64_t panel_grain(int64_t k_len, int64_t weight_bytes) {
+  return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(k_len * kPanel * weight_bytes, 1));
+}
+
+// Conv1D's [K, N] weight in place; the last N % kPanel columns are plain dot products.
+void linear_rows_k_major(const float* x, int64_t m, int64_t k_len, const float* w, int64_t ld_w, int64_t n,
+                         const float* scale, const float* bias, Act act, float* y) {
+  at::parallel_for(0, (n + kPanel - 1) / kPanel, panel_grain(k_len, 4), [&](int64_t begin, int64_t end) {
+    const int64_t lo = begin * kPanel, hi = std::min(n, end * kPanel);
+    int64_t col = lo;
+    for (; col + kPanel <= hi; col += kPanel) panel_columns(x, m, k_len, w + col, ld_w, kPanel, y + col, n);
+    for (; col < hi; ++col) {
+      for (int64_t i = 0; i < m; ++i) {
+        float s = 0.f;
+        for (int64_t k = 0; k < k_len; ++k) s += x[i * k_len + k] * w[k * ld_w + col];
+        y[i * n + col] = s;
+      }
+    }
+    run_epilogue(act, y, m, n, lo, hi, scale, bias);
+  });
+}
+
+// Packed panels [P, K, kPanel] holding n <= P * kPanel columns (the tail padded).
+template <typename W>
+void linear_rows_packed(const float* x, int64_t m, int64_t k_len, const W* w, int64_t n, const float* scale,
+                        const float* bias, Act act, float* y) {
+  at::parallel_for(0, (n + kPanel - 1) / kPanel, panel_grain(k_len, sizeof(W)), [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t col = panel * kPanel;
+      panel_columns(x, m, k_len, w + panel * k_len * kPanel, kPanel, std::min(kPanel, n - col), y + col, n);
+    }
+    run_epilogue(act, y, m, n, begin * kPanel, std::min(n, end * kPanel), scale, bias);
+  });
+}
+
+template <typename W>
+void linear_rows(const float* x, int64_t m, int64_t k_len, const W* w, int64_t n, const float* scale,
+                 const float* bias, Act act, float* y) {
+  const int64_t blocks = (n + kCols - 1) / kCols;
+  at::parallel_for(0, blocks, column_grain(k_len, sizeof(W)), [&](int64_t begin, int64_t end) {
+    const int64_t lo = begin * kCols, hi = std::min(n, end * kCols);
+    int64_t col = lo;
+    for (; col + kCols <= hi; col += kCols) dot_columns<kCols>(x, m, k_len, w + col * k_len, k_len, y + col, n);
+    for (; col < hi; ++col) dot_columns<1>(x, m, k_len, w + col * k_len, k_len, y + col, n);
+    run_epilogue(act, y, m, n, lo, hi, scale, bias);
+  });
+}
+
+template <typename W>
+void dispatch_layout(int layout, const float* x, int64_t m, int64_t k_len, const W* w, int64_t ld_w, int64_t n,
+                     const float* scale, const float* bias, Act act, float* y) {
+  if (layout == 0) return linear_rows(x, m, k_len, w, n, scale, bias, act, y);
+  if constexpr (std::is_same_v<W, float>) {
+    if (layout == 1) return linear_rows_k_major(x, m, k_len, w, ld_w, n, scale, bias, act, y);
+  }
+  linear_rows_packed(x, m, k_len, w, n, scale, bias, act, y);
+}
+
+// x: [..., K] float32. weight, float32 / bfloat16 / int8 (int8 with a per-output-channel scale [N]):
+//   [N, K] row-major (nn.Linear); float32 [N, K] viewed from a contiguous [K, N] (Conv1D's weight.t());
+//   or packed panels [ceil(N / 64), K, 64] with out_features = N. bias: [N] float32.
+Tensor linear(const Tensor& x_in, const Tensor& weight_in, const c10::optional<Tensor>& scale_in,
+              const c10::optional<Tensor>& bias_in, c10::string_view act_name, int64_t out_features) {
+  constexpr const char* op = "lightgen.linear";
+  const Act act = parse_act(op, act_name);
+  const bool packed = weight_in.dim() == 3;
+  {
+    const Tensor& x = x_in;
+    const Tensor& weight = weight_in;
+    LG_CHECK_CPU(op, x);
+    LG_CHECK_CPU(op, weight);
+    TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": 'x' must be float32, got ", x.scalar_type());
+    TORCH_CHECK(weight.dim() == 2 || (packed && weight.size(2) == kPanel), op,
+                ": 'weight' must be [out_features, in_features] or packed [panels, in_features, ", kPanel, "], got ",
+                weight.sizes());
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), op, ": 'x' must end in in_features=",
+                weight.size(1), ", got ", x.sizes());
+    TORCH_CHECK(!packed || (out_features > (weight.size(0) - 1) * kPanel && out_features <= weight.size(0) * kPanel),
+                op, ": packed weights need out_features in (", (weight.size(0) - 1) * kPanel, ", ",
+                weight.size(0) * kPanel, "], got ", out_features);
+    TORCH_CHECK(packed || out_features < 0 || out_features == weight.size(0), op, ": out_features=", out_features,
+                " does not match 'weight' ", weight.sizes());
+    const auto wtype = weight.scalar_type();
+    TORCH_CHECK(wtype == at::kFloat || wtype == at::kBFloat16 || wtype == at::kChar, op,
+                ": 'weight' must be float32, bfloat16 or int8, got ", wtype);
+    TORCH_CHECK(wtype != at::kChar || scale_in.has_value(), op,
+                ": int8 weights need their per-output-channel 'scale'");
+  }
+  const int64_t n = packed ? out_features : weight_in.size(0), k_len = weight_in.size(1);
+  const float* scale = nullptr;
+  const float* bias = nullptr;
+  Tensor scale_t, bias_t;
+  for (auto [given, kept, ptr, name] : {std::tuple{&scale_in, &scale_t, &scale, "scale"},
+                                        std::tuple{&bias_in, &bias_t, &bias, "bias"}}) {
+    if (!given->has_value()) continue;
+    const Tensor& t = given->value();
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == n, op,
+                ": '", name, "' must be a float32 CPU tensor of shape [", n, "], got ", t.scalar_type(), " ",
+                t.sizes());
+    *kept = t.contiguous();
+    *ptr = kept->data_ptr<float>();
+  }
+  const bool k_major = !packed && weight_in.scalar_type() == at::kFloat && weight_in.stride(0) == 1 && n > 1 &&
+                       weight_in.stride(1) >= n;
+  const int layout = packed ? 2 : k_major ? 1 : 0;
+  Tensor weight = k_major ? weight_in : weight_in.contiguous();
+  const int64_t ld_w = k_major ? weight.stride(1) : 0;
+  Tensor x = x_in.contiguous();
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
+  Tensor y = at::empty(out_sizes, x.options());
+  const int64_t m = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
+  if (m == 0 || n == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  switch (weight.scalar_type()) {
+    case at::kFloat:
+      dispatch_layout(layout, xp, m, k_len, weight.data_ptr<float>(), ld_w, n, scale, bias, act, yp);
+      break;
+    case at::kBFloat16:
+      dispatch_layout(layout, xp, m, k_len, weight.data_ptr<c10::BFloat16>(), ld_w, n, scale, bias, act, yp);
+      break;
+    default: dispatch_layout(layout, xp, m, k_len, weight.data_ptr<int8_t>(), ld_w, n, scale, bias, act, yp); break;
+  }
+  return y;
+}
+
+}  // namespace
+}  // namespace lightgen
+
+TORCH_LIBRARY_IMPL(lightgen, CPU, m) { m.impl("linear", &lightgen::linear); }

@@ -1,0 +1,114 @@
+"""Linear weights: packed fp32 copies, opt-in int8 / bf16 (lossy but close), the fp32 Parameter kept for the rest."""
+
+import copy
+
+import pytest
+import torch
+from models import BUILDERS, DECODER_ONLY, SEQ2SEQ, build, forward_logits, padded_batch
+
+import lightgen
+from lightgen.modules.linear import LinearWeights
+
+GENERATING = SEQ2SEQ + DECODER_ONLY
+# Weight-only rounding on these tiny random models moves logits by well under this share of their norm.
+MAX_RELATIVE_ERROR = {"int8": 0.03, "bf16": 0.01}
+
+
+def _relative_error(got, expected):
+    return float((got - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_quantized_forward_is_close_and_state_dict_is_unchanged(family, precision):
+    model = build(family, seed=3)
+    reference = copy.deepcopy(model)
+    before = model.state_dict()
+    lightgen.accelerate_model(model, quantize=precision)
+    after = model.state_dict()
+    assert list(before) == list(after) and all(before[k].data_ptr() == after[k].data_ptr() for k in before)
+    quantized = [m for m in model.modules() if isinstance(m.__dict__.get("_lightgen_linear"), LinearWeights)]
+    assert quantized and all(m._lightgen_linear.quantized for m in quantized)
+    ids, mask = padded_batch(family, 3, 12, seed=3)
+    got, expected = forward_logits(model, family, ids, mask), forward_logits(reference, family, ids, mask)
+    assert 0 < _relative_error(got, expected) < MAX_RELATIVE_ERROR[precision]
+    lightgen.restore_model(model)
+    assert torch.equal(forward_logits(model, family, ids, mask), expected)
+    assert all("_lightgen_linear" not in vars(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("family", GENERATING)
+def test_int8_generate_runs_the_engine_and_mostly_agrees_with_fp32(family):
+    model = build(family, seed=4)
+    ids, mask = padded_batch(family, 4, 9, seed=4)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=1)
+    expected = model.generate(**kwargs)
+    quantized = lightgen.accelerate_model(copy.deepcopy(model), quantize="int8")
+    got = quantized.generate(**kwargs)
+    assert got.shape == expected.shape
+    # Random-weight logits are nearly flat, so int8 rounding flips some argmaxes; most must survive.
+    assert (got == expected).float().mean() >= 0.5
+
+
+def test_quantized_training_forward_uses_fp32_weights():
+    model = build("bart", seed=6)
+    reference = copy.deepcopy(model)
+    lightgen.accelerate_model(model, quantize="int8").train()
+    reference.train()
+    ids, mask = padded_batch("bart", 2, 8, seed=6)
+    torch.manual_seed(0)
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    torch.manual_seed(0)
+    expected = reference(input_ids=ids, attention_mask=mask, labels=ids).loss
+    assert torch.equal(loss, expected)
+
+
+def test_quantize_options_are_checked():
+    with pytest.raises(ValueError, match="quantize must be one of int8, bf16"):
+        lightgen.accelerate_model(build("gpt2"), quantize="int4")
+    with pytest.raises(ValueError, match="needs a float32 model"):
+        lightgen.accelerate_model(build("gpt2", dtype=torch.bfloat16), quantize="int8")
+    model = lightgen.accelerate_model(build("gpt2"), quantize="int8")
+    assert lightgen.accelerate_model(model, quantize="int8") is model
+    with pytest.raises(ValueError, match="already accelerated with quantize='int8', pack=True; call lightgen.restore"):
+        lightgen.accelerate_model(model)
+
+
+def test_quantized_layer_refuses_inputs_it_cannot_run():
+    model = lightgen.accelerate_model(build("gpt2"), quantize="int8")
+    layer = model.lm_head
+    with torch.no_grad(), pytest.raises(TypeError, match="quantized linear layer takes float32 CPU inputs"):
+        layer(torch.randn(2, 32, dtype=torch.float64))
+
+
+def test_deepcopy_of_a_quantized_model_runs_its_own_weights():
+    model = lightgen.accelerate_model(build("llama", seed=8), quantize="int8")
+    clone = copy.deepcopy(model)
+    assert clone.lm_head._lightgen_linear.weight.data_ptr() != model.lm_head._lightgen_linear.weight.data_ptr()
+    ids, mask = padded_batch("llama", 2, 6, seed=8)
+    assert torch.equal(forward_logits(clone, "llama", ids, mask), forward_logits(model, "llama", ids, mask))
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_fp32_generate_is_exact_packed_or_in_place(pack):
+    model = build("bart", seed=9)
+    ids, mask = padded_batch("bart", 3, 10, seed=9)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    expected = model.generate(**kwargs)
+    accelerated = lightgen.accelerate_model(copy.deepcopy(model), pack=pack)
+    layouts = {m._lightgen_linear.source is not None for m in accelerated.modules() if "_lightgen_linear" in vars(m)}
+    assert layouts == {pack}
+    assert torch.equal(accelerated.generate(**kwargs), expected)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_weights_loaded_after_patching_are_packed_again(quantize):
+    model = lightgen.accelerate_model(build("gpt2", seed=1), quantize=quantize)
+    new_weights = build("gpt2", seed=2)
+    model.load_state_dict(new_weights.state_dict())
+    ids, mask = padded_batch("gpt2", 2, 7, seed=1)
+    got, expected = forward_logits(model, "gpt2", ids, mask), forward_logits(new_weights, "gpt2", ids, mask)
+    if quantize is None:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    else:
+        assert _relative_error(got, expected) < MAX_RELATIVE_ERROR["int8"]
