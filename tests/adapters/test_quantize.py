@@ -89,11 +89,12 @@ def test_deepcopy_of_a_quantized_model_runs_its_own_weights():
     assert torch.equal(forward_logits(clone, "llama", ids, mask), forward_logits(model, "llama", ids, mask))
 
 
+@pytest.mark.parametrize("family", ["bart", "gpt2"])  # nn.Linear and Conv1D
 @pytest.mark.parametrize("pack", [True, False])
-def test_fp32_generate_is_exact_packed_or_in_place(pack):
-    model = build("bart", seed=9)
-    ids, mask = padded_batch("bart", 3, 10, seed=9)
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+def test_fp32_generate_is_exact_packed_or_in_place(pack, family):
+    model = build(family, seed=9)
+    ids, mask = padded_batch(family, 3, 10, seed=9)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=1)
     expected = model.generate(**kwargs)
     accelerated = lightgen.accelerate_model(copy.deepcopy(model), pack=pack)
     layouts = {m._lightgen_linear.source is not None for m in accelerated.modules() if "_lightgen_linear" in vars(m)}

@@ -1,11 +1,14 @@
 // Decode-shaped linear layer: y = act(x @ W^T * scale + bias) for a few rows of x (M = batch x
-// beams x new tokens). Each thread owns a range of output columns and streams its weight rows
-// once for all M rows, so batch 8 costs little more memory traffic than batch 1. W stays in
-// nn.Linear's own [N, K] layout (no packed copy: state_dict and restore stay exact for free);
-// int8 (per-output-channel scale) and bf16 weights are widened to float in registers.
+// beams x new tokens). Each thread owns a range of output columns and streams its share of the
+// weight once for all M rows, so batch 8 costs little more memory traffic than batch 1. Three
+// weight layouts: packed panels (what accelerate_model makes: fp32, bf16 or int8 with a
+// per-output-channel scale, widened to float in registers), nn.Linear's own [N, K] and HF Conv1D's
+// own [K, N] (fp32, read in place).
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
+#endif
 #include <torch/library.h>
-#include <cstring>
+#include <algorithm>
 #include <type_traits>
 #include "../include/act.h"
 #include "../include/checks.h"
