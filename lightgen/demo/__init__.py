@@ -73,14 +73,14 @@ def correct(model, tokenizer, sentences: list[str], batch_size: int = 32, **gene
 
 
 def load_demo_model(dtype=None):
-    """The shipped demo model (``BartForConditionalGeneration``, eval mode, fp32 unless ``dtype``) and tokenizer."""
+    """The shipped demo model (a BART-family seq2seq model, eval mode, fp32 unless ``dtype``) and its tokenizer."""
     import torch
-    from transformers import BartForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
 
     if not (MODEL_DIR / "model.safetensors").is_file():
         raise FileNotFoundError(f"lightgen demo model not found in {MODEL_DIR}; train it with "
                                 "`python -m lightgen.demo.train`")
     # The weights are stored in fp16 to keep the package small; compute in fp32 by default.
-    model = BartForConditionalGeneration.from_pretrained(MODEL_DIR, dtype=dtype or torch.float32).eval()
+    model = AutoModelForSeq2SeqLM.from_pretrained(MODEL_DIR, dtype=dtype or torch.float32).eval()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(MODEL_DIR)
     return model, tokenizer

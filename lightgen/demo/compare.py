@@ -30,7 +30,8 @@ def run(sentences: int, batch: int, repeats: int) -> None:
     accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
     sources, references = held_out_pairs(sentences)
     config = reference.config
-    print(f"model: lightgen's demo grammar corrector, BART {config.encoder_layers}+{config.decoder_layers} layers, "
+    print(f"model: lightgen's demo grammar corrector, {config.model_type} {config.encoder_layers}+"
+          f"{config.decoder_layers} layers, "
           f"d_model {config.d_model}, vocab {config.vocab_size}, "
           f"{sum(p.numel() for p in reference.parameters()) / 1e6:.1f}M parameters (shipped in the package)\n")
 

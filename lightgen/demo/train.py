@@ -91,17 +91,20 @@ def train_tokenizer(sentences: list[str], vocab_size: int):
                                    unk_token="<unk>", model_max_length=128)
 
 
-def build_model(vocab_size: int, d_model: int, ffn: int, layers: int, heads: int, dropout: float):
+def build_model(arch: str, vocab_size: int, d_model: int, ffn: int, layers: int, heads: int, dropout: float):
+    """A BART (post-LN) or mBART (pre-LN: trains stably at a high learning rate with a short warm-up)."""
     import transformers as tf
 
+    config_class, model_class = {"bart": (tf.BartConfig, tf.BartForConditionalGeneration),
+                                 "mbart": (tf.MBartConfig, tf.MBartForConditionalGeneration)}[arch]
     # Generation starts from <s>, which the source also starts with: IAD's first draft is the whole source.
-    config = tf.BartConfig(vocab_size=vocab_size, d_model=d_model, encoder_layers=layers, decoder_layers=layers,
+    config = config_class(vocab_size=vocab_size, d_model=d_model, encoder_layers=layers, decoder_layers=layers,
                            encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn,
                            decoder_ffn_dim=ffn, max_position_embeddings=128, dropout=dropout,
                            attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
                            eos_token_id=2, decoder_start_token_id=0, forced_bos_token_id=None,
                            forced_eos_token_id=None)
-    return tf.BartForConditionalGeneration(config)
+    return model_class(config)
 
 
 def _batches(tokenizer, sources, targets, max_tokens, rng):
@@ -122,6 +125,12 @@ def _batches(tokenizer, sources, targets, max_tokens, rng):
         yield (_pad([src[i] for i in batch], 1), _pad([tgt[i] for i in batch], -100))
 
 
+def _decoder_inputs(labels, start_id):
+    """Labels shifted right behind the start token (mBART's own shift would start from the last token)."""
+    inputs = torch.cat([torch.full_like(labels[:, :1], start_id), labels[:, :-1]], dim=1)
+    return inputs.masked_fill(inputs == -100, 1)
+
+
 def _pad(rows, value):
     out = torch.full((len(rows), max(map(len, rows))), value, dtype=torch.long)
     for r, row in enumerate(rows):
@@ -136,6 +145,7 @@ def main(argv=None) -> None:
     parser.add_argument("--corpus-size", type=int, default=40000)
     parser.add_argument("--out", type=Path, default=MODEL_DIR)
     parser.add_argument("--init", type=Path, help="continue training the model and tokenizer saved in this folder")
+    parser.add_argument("--arch", choices=("bart", "mbart"), default="mbart")
     parser.add_argument("--vocab", type=int, default=3000)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--ffn", type=int, default=768)
@@ -164,13 +174,13 @@ def main(argv=None) -> None:
     train_sentences, _ = split()
     noiser = Noiser(number_pairs(train_sentences))
     if args.init:
-        from transformers import BartForConditionalGeneration, PreTrainedTokenizerFast
+        from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
 
         tokenizer = PreTrainedTokenizerFast.from_pretrained(args.init)
-        model = BartForConditionalGeneration.from_pretrained(args.init, dtype=torch.float32)
+        model = AutoModelForSeq2SeqLM.from_pretrained(args.init, dtype=torch.float32)
     else:
         tokenizer = train_tokenizer(train_sentences, args.vocab)
-        model = build_model(len(tokenizer), args.d_model, args.ffn, args.layers, args.heads, args.dropout)
+        model = build_model(args.arch, len(tokenizer), args.d_model, args.ffn, args.layers, args.heads, args.dropout)
     print(f"{len(train_sentences)} training sentences, vocab {len(tokenizer)}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
 
@@ -183,7 +193,8 @@ def main(argv=None) -> None:
         sources = [noiser(s, rng) for s in train_sentences]
         for input_ids, labels in _batches(tokenizer, sources, train_sentences, args.max_tokens, rng):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-                loss = model(input_ids=input_ids, attention_mask=input_ids.ne(1), labels=labels).loss
+                loss = model(input_ids=input_ids, attention_mask=input_ids.ne(1), labels=labels,
+                             decoder_input_ids=_decoder_inputs(labels, model.config.decoder_start_token_id)).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
