@@ -1,29 +1,18 @@
-"""``lightgen`` command line: ``env`` (kernel report) and ``demo`` (before/after on a built model)."""
+"""``lightgen`` command line: ``env`` (kernel report) and ``demo`` (the shipped grammar corrector, HF vs lightgen)."""
 
 from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 
 import torch
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: first calls allocate and fill caches
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def demo(layers: int, batch: int, src_len: int, new_tokens: int, repeats: int) -> None:
+def random_model_demo(layers: int, batch: int, src_len: int, new_tokens: int, repeats: int) -> None:
     import transformers as tf
 
     import lightgen
+    from lightgen.demo.compare import median_seconds
     from lightgen.env import format_report, report
 
     print(format_report(report()), "\n")
@@ -45,8 +34,8 @@ def demo(layers: int, batch: int, src_len: int, new_tokens: int, repeats: int) -
             ("prefill forward", lambda m: m(input_ids=input_ids, decoder_input_ids=input_ids)),
             ("generate (greedy)", lambda m: m.generate(**kwargs)),
         ]:
-            before = _median_seconds(lambda run=call: run(hf_model), repeats)
-            after = _median_seconds(lambda run=call: run(accelerated), repeats)
+            before = median_seconds(lambda run=call: run(hf_model), repeats)
+            after = median_seconds(lambda run=call: run(accelerated), repeats)
             rows.append((label, before, after))
     print(f"\n{'':<20}{'HF (ms)':>10}{'lightgen (ms)':>15}{'speedup':>10}")
     for label, before, after in rows:
@@ -60,19 +49,31 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="lightgen", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("env", help="report versions, ISA and which ops are compiled")
-    demo_parser = commands.add_parser("demo", help="accelerate a BART built from a config; compare with HF")
-    demo_parser.add_argument("--layers", type=int, default=3)
-    demo_parser.add_argument("--batch", type=int, default=4)
-    demo_parser.add_argument("--src-len", type=int, default=32)
-    demo_parser.add_argument("--new-tokens", type=int, default=24)
+    demo_parser = commands.add_parser(
+        "demo", help="correct sentences with the shipped demo model: HF vs lightgen greedy, IAD and beam search")
+    demo_parser.add_argument("--sentences", type=int, default=24, help="held-out sentences added to the examples")
+    demo_parser.add_argument("--batch", type=int, default=1)
     demo_parser.add_argument("--repeats", type=int, default=3)
+    demo_parser.add_argument("--short", action="store_true", help="4 held-out sentences, one timed repeat")
+    demo_parser.add_argument("--random-model", action="store_true",
+                             help="instead: a BART with random weights built from a config (greedy, forced length)")
+    demo_parser.add_argument("--layers", type=int, default=3, help="--random-model only")
+    demo_parser.add_argument("--src-len", type=int, default=32, help="--random-model only")
+    demo_parser.add_argument("--new-tokens", type=int, default=24, help="--random-model only")
     args = parser.parse_args(argv)
+    for name in ("sentences", "batch", "repeats", "layers", "src_len", "new_tokens"):
+        if getattr(args, name, 1) < (0 if name == "sentences" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.command == "env":
         from lightgen.env import main as env_main
 
         env_main()
+    elif args.random_model:
+        random_model_demo(args.layers, args.batch, args.src_len, args.new_tokens, args.repeats)
     else:
-        demo(args.layers, args.batch, args.src_len, args.new_tokens, args.repeats)
+        from lightgen.demo.compare import run
+
+        run(4 if args.short else args.sentences, args.batch, 1 if args.short else args.repeats)
 
 
 if __name__ == "__main__":

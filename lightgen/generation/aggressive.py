@@ -9,9 +9,33 @@ ordinary greedy step. Rows keep their own lengths; finished rows leave the batch
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 SUFFIX_LENGTHS = (1, 2, 3)
+
+
+@dataclass
+class _AggressiveStats:
+    """What aggressive decoding adds to HF's output: per row, the decoder passes it ran
+    (``iterations``, the prompt pass included) and the tokens each pass added
+    (``tokens_per_iteration``: accepted draft tokens + the verifier's own token)."""
+
+    iterations: torch.LongTensor | None = None
+    tokens_per_iteration: tuple[torch.LongTensor, ...] | None = None
+
+
+# The mixin goes first among the bases so that its fields come last: HF's outputs treat the first one specially.
+@dataclass
+class AggressiveEncoderDecoderOutput(_AggressiveStats, GenerateEncoderDecoderOutput):
+    pass
+
+
+@dataclass
+class AggressiveDecoderOnlyOutput(_AggressiveStats, GenerateDecoderOnlyOutput):
+    pass
 
 
 def find_anchor(output: list[int], source: list[int]) -> int | None:
@@ -28,8 +52,11 @@ def find_anchor(output: list[int], source: list[int]) -> int | None:
 
 
 def iad_greedy(decoder, state, input_ids, prompt_positions, sources: list[list[int]], eos_ids: set[int],
-               pad_token_id: int, max_length: int, max_draft: int) -> torch.Tensor:
-    """Greedy decoding, accelerated by drafts copied from ``sources``; returns the sequences."""
+               pad_token_id: int, max_length: int, max_draft: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """Greedy decoding, accelerated by drafts copied from ``sources``.
+
+    Returns the sequences and, per row, the tokens each of its decoder passes added (accepted draft
+    tokens + the verifier's own token); a row's pass count is the length of its list."""
     rows, prompt_len = input_ids.shape
     device = input_ids.device
     sequences = torch.full((rows, max_length), pad_token_id, dtype=input_ids.dtype, device=device)
@@ -38,6 +65,7 @@ def iad_greedy(decoder, state, input_ids, prompt_positions, sources: list[list[i
     live = list(range(rows))  # original row index of each row still decoding
     logits = decoder.step(state, input_ids, prompt_positions)[:, None]  # the prompt pass: [rows, 1, V]
     drafts = [[] for _ in live]
+    gained = [[] for _ in range(rows)]
     while True:
         predictions = logits.argmax(-1).tolist()  # [rows, 1 + K]
         rejected, finished = [], []
@@ -54,6 +82,7 @@ def iad_greedy(decoder, state, input_ids, prompt_positions, sources: list[list[i
                     finished.append(slot)
                     break
             outputs[row].extend(new_tokens)
+            gained[row].append(len(new_tokens))
         for row in live:
             sequences[row, : len(outputs[row])] = torch.tensor(outputs[row], dtype=sequences.dtype)
         state.roll_back(torch.tensor(rejected, device=device))
@@ -78,4 +107,4 @@ def iad_greedy(decoder, state, input_ids, prompt_positions, sources: list[list[i
             max=decoder.spec.position_limit - 1)
         logits = decoder.step(state, tokens, positions, all_positions=True)
     final_length = max(len(output) for output in outputs)
-    return sequences[:, :final_length]
+    return sequences[:, :final_length], gained

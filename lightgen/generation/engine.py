@@ -36,7 +36,7 @@ from transformers.generation.utils import (
 )
 
 from lightgen import _build, ops
-from lightgen.generation.aggressive import iad_greedy
+from lightgen.generation.aggressive import AggressiveDecoderOnlyOutput, AggressiveEncoderDecoderOutput, iad_greedy
 from lightgen.generation.diverse import group_beam_search
 
 DECODER_ATTR = "_lightgen_decoder"
@@ -126,8 +126,9 @@ def _iad_unsupported(model, generation_config, logits_processor, stopping_criter
         return f"decoding='iad' does not run logits processors ({names}); running plain greedy"
     if any(type(c).__name__ not in ("MaxLengthCriteria", "EosTokenCriteria") for c in stopping_criteria):
         return "decoding='iad' supports only max-length and EOS stopping; running plain greedy"
-    if generation_config.return_dict_in_generate:
-        return "decoding='iad' returns sequences only; running plain greedy"
+    if generation_config.return_dict_in_generate and (generation_config.output_scores
+                                                      or generation_config.output_logits):
+        return "decoding='iad' does not return scores or logits; running plain greedy"
     return None
 
 
@@ -197,12 +198,16 @@ def _iad(model, input_ids, inputs_tensor, generation_config, max_draft, draft_id
     eos = generation_config._eos_token_tensor
     pad = generation_config._pad_token_tensor
     try:
-        sequences = iad_greedy(decoder, state, input_ids, model_kwargs.get("position_ids"), sources,
-                                  set(eos.tolist()) if eos is not None else set(),
-                                  int(pad) if pad is not None else 0, generation_config.max_length, max_draft)
+        sequences, gained = iad_greedy(decoder, state, input_ids, model_kwargs.get("position_ids"), sources,
+                                       set(eos.tolist()) if eos is not None else set(),
+                                       int(pad) if pad is not None else 0, generation_config.max_length, max_draft)
     finally:
         state.release()
-    return sequences
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    output_class = AggressiveEncoderDecoderOutput if model.config.is_encoder_decoder else AggressiveDecoderOnlyOutput
+    return output_class(sequences=sequences, iterations=torch.tensor([len(row) for row in gained]),
+                        tokens_per_iteration=tuple(torch.tensor(row) for row in gained))
 
 
 # is_encoder_decoder -> (sampling output class, beam output class), as HF returns them.

@@ -344,6 +344,25 @@ def test_iad_with_good_and_bad_drafts_equals_greedy_in_fewer_passes(family, corr
         assert len(step_counter) < generated - 3, "exact drafts should need fewer decoder passes"
 
 
+@pytest.mark.parametrize("family", ["bart", "gpt2"])
+def test_iad_reports_passes_and_tokens_per_pass(family, step_counter):
+    """return_dict_in_generate adds per-row pass counts and tokens per pass; sequences stay greedy's."""
+    from lightgen.generation.aggressive import AggressiveDecoderOnlyOutput, AggressiveEncoderDecoderOutput
+
+    accelerated, expected, kwargs = _greedy_without_processors(family, 5, batch=4)
+    drafts = [row.tolist() for row in expected]
+    out = accelerated.generate(**kwargs, decoding="iad", max_draft=6, draft_ids=drafts, return_dict_in_generate=True)
+    assert isinstance(out, AggressiveEncoderDecoderOutput if family in SEQ2SEQ else AggressiveDecoderOnlyOutput)
+    assert torch.equal(out.sequences, expected)
+    assert out.iterations.tolist() == [len(row) for row in out.tokens_per_iteration]
+    assert int(out.iterations.max()) == len(step_counter)  # the last row to finish took part in every pass
+    prompt = 1 if family in SEQ2SEQ else kwargs["input_ids"].shape[1]
+    assert max(int(row.sum()) for row in out.tokens_per_iteration) == expected.shape[1] - prompt
+    assert all(int(row.min()) >= 1 for row in out.tokens_per_iteration)
+    with pytest.warns(RuntimeWarning, match="does not return scores or logits"):
+        accelerated.generate(**kwargs, decoding="iad", return_dict_in_generate=True, output_scores=True)
+
+
 def test_iad_needs_greedy_and_says_so():
     accelerated, _ = _pair("bart", 0)
     ids, mask = padded_batch("bart", 1, 5)

