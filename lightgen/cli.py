@@ -1,10 +1,13 @@
-"""``lightgen`` command line: ``env`` (kernel report) and ``demo`` (before/after on a built model)."""
+"""``lightgen`` command line: ``env`` (kernel report), ``demo`` (before/after on a built model) and
+``install-fairseq`` (the tested fairseq, for ``lightgen[fairseq]``)."""
 
 from __future__ import annotations
 
 import argparse
 import copy
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -56,6 +59,18 @@ def demo(layers: int, batch: int, src_len: int, new_tokens: int, repeats: int) -
         raise SystemExit("lightgen produced different tokens from HF generate")
 
 
+def install_fairseq() -> None:
+    """pip cannot say "without dependencies" in an extra: fairseq-fixed's own requirements pull a torchaudio
+    built for another torch, which breaks ``import transformers``' model imports. The ``fairseq`` extra
+    lists its real dependencies; this installs the package itself, built against the torch already here."""
+    from lightgen._compat import FAIRSEQ_DISTRIBUTION, FAIRSEQ_RANGE
+
+    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+               f"{FAIRSEQ_DISTRIBUTION}=={FAIRSEQ_RANGE[0]}"]
+    print("+", " ".join(command), flush=True)
+    subprocess.run(command, check=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="lightgen", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -66,11 +81,14 @@ def main(argv=None) -> None:
     demo_parser.add_argument("--src-len", type=int, default=32)
     demo_parser.add_argument("--new-tokens", type=int, default=24)
     demo_parser.add_argument("--repeats", type=int, default=3)
+    commands.add_parser("install-fairseq", help="install the tested fairseq (after pip install 'lightgen[fairseq]')")
     args = parser.parse_args(argv)
     if args.command == "env":
         from lightgen.env import main as env_main
 
         env_main()
+    elif args.command == "install-fairseq":
+        install_fairseq()
     else:
         demo(args.layers, args.batch, args.src_len, args.new_tokens, args.repeats)
 

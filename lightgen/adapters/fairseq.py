@@ -208,12 +208,17 @@ def models_of(obj) -> list[nn.Module]:
     return [obj]
 
 
-def patch_fairseq(obj, patcher) -> None:
-    """Check every model first (nothing is patched when one is unsupported), then patch them."""
+def check_supported(obj) -> list[nn.Module]:
+    """The fairseq models behind ``obj``, each checked; raises ``UnsupportedModelError`` otherwise."""
     models = models_of(obj)
     for model in models:
         check_decoder(model.decoder)
-    for model in models:
+    return models
+
+
+def patch_fairseq(obj, patcher) -> None:
+    """Check every model first (nothing is patched when one is unsupported), then patch them."""
+    for model in check_supported(obj):
         decoder = model.decoder
         patcher.set(decoder, "_lightgen_forward", decoder.forward)
         patcher.set(decoder, "_lightgen_reorder", decoder.reorder_incremental_state_scripting)
