@@ -224,6 +224,17 @@ def hardware_title(env: dict) -> str:
     return f"{env['cpu']}, {env['torch_threads']} threads, {env['cpu_capability']}, torch {env['torch']}"
 
 
+def speedup_chart(plt, labels: list[str], speedups: list[float], xlabel: str, title: str):
+    """Horizontal bars of speedups (green >= 1x, red below), in table order, with a line at 1x."""
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh(labels, speedups, color=["tab:green" if s >= 1 else "tab:red" for s in speedups])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.invert_yaxis()  # same order as the table
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=9)
+    return fig
+
+
 def parse_args(doc: str, stem: str, quick_help: str, argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=quick_help)

@@ -10,7 +10,9 @@ from fairseq.data import Dictionary
 from fairseq.models.transformer import TransformerModel, base_architecture
 from fairseq.sequence_generator import SequenceGenerator
 
-WORDS = 8  # few symbols: random models then end hypotheses early (EOS is 1 of 12); besides fairseq's four specials (bos, pad, eos, unk)
+# Symbols besides fairseq's four specials (bos, pad, eos, unk); with few, random models end hypotheses
+# early (EOS is 1 of 12).
+WORDS = 8
 
 
 def dictionary() -> Dictionary:

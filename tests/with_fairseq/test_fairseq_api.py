@@ -16,7 +16,6 @@ from fairseq import search  # noqa: E402
 
 import lightgen  # noqa: E402
 from lightgen._compat import check_fairseq_version  # noqa: E402
-from lightgen.modules.decoder import Decoder  # noqa: E402
 
 pytestmark = pytest.mark.fairseq
 
@@ -40,14 +39,6 @@ SETTINGS = [
     dict(beam_size=3, unk_penalty=-2.0, normalize_scores=False),
     dict(beam_size=4, max_len_a=0.5, max_len_b=3),
 ]
-
-
-@pytest.fixture
-def step_counter(monkeypatch):
-    calls = []
-    original = Decoder.step
-    monkeypatch.setattr(Decoder, "step", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
-    return calls
 
 
 def _pair(seed, **overrides):
