@@ -122,6 +122,12 @@ def machine_busy_seconds() -> float | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def own_cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (benchmarks that time command-line tools)."""
+    times = os.times()
+    return time.process_time() + times.children_user + times.children_system
+
+
 class ContentionMeter:
     """Share of the machine's CPU capacity that other processes used while we were timing.
 
@@ -131,14 +137,14 @@ class ContentionMeter:
 
     def __init__(self):
         self.machine_start = machine_busy_seconds()
-        self.own_start = time.process_time()
+        self.own_start = own_cpu_seconds()
         self.wall_start = time.perf_counter()
 
     def others_share(self) -> float | None:
         machine_end = machine_busy_seconds()
         if self.machine_start is None or machine_end is None:
             return None
-        others = (machine_end - self.machine_start) - (time.process_time() - self.own_start)
+        others = (machine_end - self.machine_start) - (own_cpu_seconds() - self.own_start)
         capacity = (time.perf_counter() - self.wall_start) * (os.cpu_count() or 1)
         return max(0.0, others / capacity)
 
