@@ -122,6 +122,12 @@ def machine_busy_seconds() -> float | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def own_cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (benchmarks that time command-line tools)."""
+    times = os.times()
+    return time.process_time() + times.children_user + times.children_system
+
+
 class ContentionMeter:
     """Share of the machine's CPU capacity that other processes used while we were timing.
 
@@ -131,14 +137,14 @@ class ContentionMeter:
 
     def __init__(self):
         self.machine_start = machine_busy_seconds()
-        self.own_start = time.process_time()
+        self.own_start = own_cpu_seconds()
         self.wall_start = time.perf_counter()
 
     def others_share(self) -> float | None:
         machine_end = machine_busy_seconds()
         if self.machine_start is None or machine_end is None:
             return None
-        others = (machine_end - self.machine_start) - (time.process_time() - self.own_start)
+        others = (machine_end - self.machine_start) - (own_cpu_seconds() - self.own_start)
         capacity = (time.perf_counter() - self.wall_start) * (os.cpu_count() or 1)
         return max(0.0, others / capacity)
 
@@ -222,6 +228,17 @@ def machine_lines(env: dict) -> list[str]:
 
 def hardware_title(env: dict) -> str:
     return f"{env['cpu']}, {env['torch_threads']} threads, {env['cpu_capability']}, torch {env['torch']}"
+
+
+def speedup_chart(plt, labels: list[str], speedups: list[float], xlabel: str, title: str):
+    """Horizontal bars of speedups (green >= 1x, red below), in table order, with a line at 1x."""
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh(labels, speedups, color=["tab:green" if s >= 1 else "tab:red" for s in speedups])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.invert_yaxis()  # same order as the table
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=9)
+    return fig
 
 
 def parse_args(doc: str, stem: str, quick_help: str, argv: list[str] | None) -> argparse.Namespace:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from lightgen import ops
 
 from _common import (ContentionMeter, Sampling, Timing, format_speedup, hardware_title, machine_lines,
-                     measure, start_run, write_results)
+                     measure, speedup_chart, start_run, write_results)
 
 HIDDEN, VOCAB, BEAMS = 512, 32000, 4
 K = 2 * BEAMS  # transformers keeps 2 * num_beams candidates with one EOS token
@@ -116,15 +116,9 @@ def markdown(env: dict, sampling: Sampling, rows: list[Row], stats: list[dict]) 
 
 
 def draw_chart(plt, env: dict, rows: list[Row]):
-    fig, ax = plt.subplots(figsize=(7, 3))
-    labels = [f"{row.logits}, B={row.batch}" for row in rows]
-    speedups = [row.speedup for row in rows]
-    ax.barh(labels, speedups, color=["tab:green" if s >= 1 else "tab:red" for s in speedups])
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.invert_yaxis()  # same order as the table
-    ax.set_xlabel("speedup vs eager composite (×)")
-    ax.set_title(f"beam_topk ({BEAMS} beams, V={VOCAB}, k={K})\n{hardware_title(env)}", fontsize=9)
-    return fig
+    return speedup_chart(plt, [f"{row.logits}, B={row.batch}" for row in rows], [row.speedup for row in rows],
+                         "speedup vs eager composite (×)",
+                         f"beam_topk ({BEAMS} beams, V={VOCAB}, k={K})\n{hardware_title(env)}")
 
 
 def main(argv: list[str] | None = None) -> None:

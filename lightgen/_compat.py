@@ -10,6 +10,11 @@ from packaging.version import Version
 # something else, so importing lightgen refuses instead.
 TRANSFORMERS_RANGE = ("5.24.0", "5.25.0")  # [min, max)
 
+# fairseq 0.12.2 does not import on Python 3.11; this PyPI fork does. Installed without its
+# dependencies (its torchaudio pin breaks torch 2.13): `lightgen install-fairseq`.
+FAIRSEQ_DISTRIBUTION = "fairseq-fixed"
+FAIRSEQ_RANGE = ("0.12.3.1", "0.12.4")  # [min, max), fairseq.__version__
+
 
 def check_transformers_version(installed: str | None = None) -> None:
     if installed is None:
@@ -22,4 +27,18 @@ def check_transformers_version(installed: str | None = None) -> None:
         raise ImportError(
             f"lightgen supports transformers >={low},<{high} (tested); found {installed}. "
             f"Install a tested version: pip install 'transformers>={low},<{high}'"
+        )
+
+
+def check_fairseq_version(installed: str | None = None) -> None:
+    """fairseq's decoder internals, which the fairseq adapter reads, as in the tested release."""
+    if installed is None:
+        import fairseq
+
+        installed = fairseq.__version__
+    low, high = FAIRSEQ_RANGE
+    if not Version(low) <= Version(installed) < Version(high):
+        raise ImportError(
+            f"lightgen's fairseq adapter supports fairseq >={low},<{high} (tested: {FAIRSEQ_DISTRIBUTION}=={low}); "
+            f"found {installed}. Install the tested version with `lightgen install-fairseq`"
         )

@@ -1,9 +1,12 @@
-"""``lightgen`` command line: ``env`` (kernel report) and ``demo`` (the shipped grammar corrector, HF vs lightgen)."""
+"""``lightgen`` command line: ``env`` (kernel report), ``demo`` (the shipped grammar corrector, HF vs
+lightgen) and ``install-fairseq`` (the tested fairseq, for ``lightgen[fairseq]``)."""
 
 from __future__ import annotations
 
 import argparse
 import copy
+import subprocess
+import sys
 
 import torch
 
@@ -45,6 +48,18 @@ def random_model_demo(layers: int, batch: int, src_len: int, new_tokens: int, re
         raise SystemExit("lightgen produced different tokens from HF generate")
 
 
+def install_fairseq() -> None:
+    """pip cannot say "without dependencies" in an extra: fairseq-fixed's own requirements pull a torchaudio
+    built for another torch, which breaks ``import transformers``' model imports. The ``fairseq`` extra
+    lists its real dependencies; this installs the package itself, built against the torch already here."""
+    from lightgen._compat import FAIRSEQ_DISTRIBUTION, FAIRSEQ_RANGE
+
+    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+               f"{FAIRSEQ_DISTRIBUTION}=={FAIRSEQ_RANGE[0]}"]
+    print("+", " ".join(command), flush=True)
+    subprocess.run(command, check=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="lightgen", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -60,6 +75,7 @@ def main(argv=None) -> None:
     demo_parser.add_argument("--layers", type=int, default=3, help="--random-model only")
     demo_parser.add_argument("--src-len", type=int, default=32, help="--random-model only")
     demo_parser.add_argument("--new-tokens", type=int, default=24, help="--random-model only")
+    commands.add_parser("install-fairseq", help="install the tested fairseq (after pip install 'lightgen[fairseq]')")
     args = parser.parse_args(argv)
     for name in ("sentences", "batch", "repeats", "layers", "src_len", "new_tokens"):
         if getattr(args, name, 1) < (0 if name == "sentences" else 1):
@@ -68,6 +84,8 @@ def main(argv=None) -> None:
         from lightgen.env import main as env_main
 
         env_main()
+    elif args.command == "install-fairseq":
+        install_fairseq()
     elif args.random_model:
         random_model_demo(args.layers, args.batch, args.src_len, args.new_tokens, args.repeats)
     else:

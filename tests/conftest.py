@@ -19,6 +19,17 @@ def pytest_configure(config):
         raise pytest.UsageError(f"lightgen kernels did not build: {status.reason}")
 
 
+@pytest.fixture
+def step_counter(monkeypatch):
+    """Records each call of lightgen's decoder step, to show that lightgen's loop ran."""
+    from lightgen.modules.decoder import Decoder
+
+    calls = []
+    original = Decoder.step
+    monkeypatch.setattr(Decoder, "step", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    return calls
+
+
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def dtype(request):
     return request.param

@@ -85,6 +85,8 @@ def accelerate_model(model, *, quantize: str | None = None, pack: bool = True, *
     """
     if options:
         raise TypeError(f"accelerate_model got unknown options: {', '.join(sorted(options))}")
+    if _is_fairseq(model):
+        return _accelerate_fairseq(model)
     adapter = ADAPTERS[_model_type(model)]
     patched = getattr(model, PATCHER_ATTR, None)
     if patched is not None:
@@ -112,6 +114,27 @@ def accelerate_model(model, *, quantize: str | None = None, pack: bool = True, *
         patcher.set(model, "generate", types.MethodType(engine.accelerated_generate, model))
     patcher.set(model, PATCHER_ATTR, patcher)
     return model
+
+
+def _is_fairseq(model) -> bool:
+    # fairseq is optional: its adapter (and fairseq itself) is imported only for fairseq objects.
+    return any(cls.__module__.partition(".")[0] == "fairseq" for cls in type(model).__mro__)
+
+
+def _accelerate_fairseq(obj):
+    """A fairseq ``TransformerModel`` or hub interface (``TransformerModel.from_pretrained``)."""
+    from lightgen import _build
+    from lightgen.adapters import fairseq as fairseq_adapter
+
+    models = fairseq_adapter.models_of(obj)
+    if any(getattr(m, PATCHER_ATTR, None) is not None for m in [obj, *models]):
+        return obj
+    _build.load()
+    patcher = Patcher(obj)
+    fairseq_adapter.patch_fairseq(obj, patcher)
+    for target in {id(m): m for m in [obj, *models]}.values():
+        patcher.set(target, PATCHER_ATTR, patcher)
+    return obj
 
 
 def restore_model(model):

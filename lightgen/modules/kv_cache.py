@@ -77,6 +77,20 @@ class StaticKVCache:
         self.values, self._spare_values = self._spare_values, self.values
         self.rows = kept
 
+    def grow(self, max_len: int) -> None:
+        """Room for ``max_len`` positions: the filled part moves into larger pooled buffers.
+
+        For callers that learn the output length only while decoding (fairseq's incremental decoder).
+        """
+        layers, rows, heads, _, head_dim = self.keys.shape
+        keys = POOL.take((layers, rows, heads, max_len, head_dim), self.keys.dtype, self.keys.device)
+        values = POOL.take(keys.shape, self.values.dtype, self.values.device)
+        filled = (slice(None), slice(0, self.rows), slice(None), slice(0, self.length))
+        keys[filled] = self.keys[filled]
+        values[filled] = self.values[filled]
+        self.release()
+        self.keys, self.values, self.max_len = keys, values, max_len
+
     def release(self) -> None:
         spares = [t for t in (self._spare_keys, self._spare_values) if t is not None]
         POOL.give_back(self.keys, self.values, *spares)

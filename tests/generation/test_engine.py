@@ -8,15 +8,6 @@ import torch
 from models import DECODER_ONLY, SEQ2SEQ, build, padded_batch
 
 import lightgen
-from lightgen.modules.decoder import Decoder
-
-
-@pytest.fixture
-def step_counter(monkeypatch):
-    calls = []
-    original = Decoder.step
-    monkeypatch.setattr(Decoder, "step", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
-    return calls
 
 
 def _pair(family, seed):
