@@ -101,13 +101,14 @@ def main(argv: list[str] | None = None) -> None:
     batches = {}
     greedy_ids = None
     for batch in BATCH_SIZES:
-        outputs = {name: generate_ids(model, tokenizer, sources, batch, **kw) for name, (model, kw) in providers.items()}
+        outputs = {name: generate_ids(model, tokenizer, sources, batch, **kw)
+                   for name, (model, kw) in providers.items()}
         greedy_ids = outputs[HF_GREEDY]
         mismatched = [name for name, ids in outputs.items() if ids != greedy_ids]
         if mismatched:
             sys.exit(f"batch {batch}: {mismatched} differ from HF greedy; not timing wrong outputs")
         tokens = sum(len(ids) + 1 for ids in greedy_ids)  # + EOS
-        timings = measure({name: lambda m=model, kw=kw: generate_ids(m, tokenizer, sources, batch, **kw)
+        timings = measure({name: lambda m=model, kw=kw, b=batch: generate_ids(m, tokenizer, sources, b, **kw)
                            for name, (model, kw) in providers.items()}, settings)
         stats = [accelerated.generate(**tokenizer(sources[i:i + batch], return_tensors="pt", padding=True),
                                       do_sample=False, max_length=128, decoding="iad", return_dict_in_generate=True)

@@ -10,10 +10,10 @@ import lightgen
 from lightgen.demo import EXAMPLES, held_out_pairs, load_demo_model
 from lightgen.demo.noise import Noiser, edits, number_pairs, score, words
 
-# Measured on the shipped model (400 held-out sentences, greedy): see README "Demo model". Thresholds
-# keep a margin below the measurement so that kernel rounding cannot flip the test.
-MIN_EXACT_MATCH = 0.0
-MIN_F05 = 0.0
+# Measured on the shipped model (400 held-out sentences, greedy): exact match 0.37, F0.5 0.49 (README
+# "Demo model"). The thresholds keep a margin so that kernel rounding cannot flip the test.
+MIN_EXACT_MATCH = 0.30
+MIN_F05 = 0.40
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_iad_accepts_many_tokens_per_pass(models):
     sources, _ = held_out_pairs(16)
     out = _greedy(accelerated, tokenizer, sources, decoding="iad", return_dict_in_generate=True)
     tokens = sum(int(row.sum()) for row in out.tokens_per_iteration)
-    assert tokens / int(out.iterations.sum()) > 3
+    assert tokens / int(out.iterations.sum()) > 2
 
 
 def test_model_corrects_held_out_errors(models):
