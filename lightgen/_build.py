@@ -106,12 +106,30 @@ def _why_cannot_build() -> str | None:
     return None
 
 
+# A build takes 1-3 minutes; a lock older than this was left by a process killed mid-build, and
+# cpp_extension would wait on it forever without a word.
+STALE_LOCK_SECONDS = 900
+
+
+def clear_stale_lock(build_dir: Path) -> None:
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        warnings.warn(f"lightgen: removing a build lock left {age / 60:.0f} minutes ago by a build that never "
+                      f"finished ({lock})", RuntimeWarning, stacklevel=3)
+        lock.unlink(missing_ok=True)
+
+
 def _compile(status: BuildStatus) -> None:
     from torch.utils import cpp_extension
 
     name = _build_name(status.isa)
     build_dir = _cache_root() / name
     build_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    clear_stale_lock(build_dir)
     log_path = build_dir / "build.log"
     status.log_path = str(log_path)
     started = time.perf_counter()

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,15 @@ def test_two_processes_building_at_once_both_get_kernels(tmp_path):
                               text=True, cwd=ROOT, env=env) for _ in range(2)]
     outputs = [proc.communicate(timeout=900) for proc in procs]
     assert [out.strip() for out, _ in outputs] == ["True", "True"], outputs
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_with_a_warning(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    _build.clear_stale_lock(tmp_path)  # a fresh lock belongs to a build in progress
+    assert lock.exists()
+    old = time.time() - _build.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="removing a build lock left 16 minutes ago"):
+        _build.clear_stale_lock(tmp_path)
+    assert not lock.exists()

@@ -86,7 +86,7 @@ def accelerate_model(model, *, quantize: str | None = None, pack: bool = True, *
     if options:
         raise TypeError(f"accelerate_model got unknown options: {', '.join(sorted(options))}")
     if _is_fairseq(model):
-        return _accelerate_fairseq(model)
+        return _accelerate_fairseq(model, quantize, pack)
     adapter = ADAPTERS[_model_type(model)]
     patched = getattr(model, PATCHER_ATTR, None)
     if patched is not None:
@@ -121,7 +121,7 @@ def _is_fairseq(model) -> bool:
     return any(cls.__module__.partition(".")[0] == "fairseq" for cls in type(model).__mro__)
 
 
-def _accelerate_fairseq(obj):
+def _accelerate_fairseq(obj, quantize: str | None, pack: bool):
     """A fairseq ``TransformerModel`` or hub interface (``TransformerModel.from_pretrained``)."""
     from lightgen import _build
     from lightgen.adapters import fairseq as fairseq_adapter
@@ -129,9 +129,14 @@ def _accelerate_fairseq(obj):
     models = fairseq_adapter.models_of(obj)
     if any(getattr(m, PATCHER_ATTR, None) is not None for m in [obj, *models]):
         return obj
+    for model in models:
+        check_precision(model, quantize)
     _build.load()
     patcher = Patcher(obj)
+    patcher.quantize, patcher.pack = quantize, pack
     fairseq_adapter.patch_fairseq(obj, patcher)
+    for model in models:
+        _patch_linears(model, patcher, quantize, pack)
     for target in {id(m): m for m in [obj, *models]}.values():
         patcher.set(target, PATCHER_ATTR, patcher)
     return obj

@@ -112,7 +112,7 @@ def build_decoder(decoder) -> Decoder:
         table = positions.weight
     return Decoder(DecoderSpec(
         block=block, layers=layers, token_embedding=decoder.embed_tokens.weight,
-        lm_head=decoder.output_projection.weight, embed_scale=float(decoder.embed_scale), position_table=table,
+        lm_head=decoder.output_projection, embed_scale=float(decoder.embed_scale), position_table=table,
         # fairseq numbers the token at index t padding_idx + 1 + t.
         position_offset=decoder.padding_idx + 1,
         embedding_norm=decoder.layernorm_embedding, final_norm=decoder.layer_norm,
