@@ -2,8 +2,9 @@
 
 The module's own weight always stays as it is (``state_dict``, training, prefill-sized inputs and
 ``restore_model`` use it). Inference on few rows reads a packed copy instead: panels of 64 output
-columns stored k after k, one sequential stream per thread (benchmarks/matmul.py: 41 GB/s at
-batch 1 against 31 GB/s for the same kernel family on the [N, K] layout and 11 GB/s for MKL).
+columns stored k after k, one sequential stream per thread (benchmarks/matmul.py, a BART-size
+step: 28 GB/s at batch 1, 86% of the measured bandwidth, against 26 GB/s on the [N, K] layout and
+11 GB/s for MKL; 1.5x faster than [N, K] at batch 8).
 The copy costs, per packed layer, +100% of its fp32 weight bytes (fp32), +50% (bf16), +25% (int8).
 ``pack=False`` keeps fp32 at zero extra memory and runs the kernels on the original layout (HF
 Conv1D's [K, N] weight is read as panels in place: fine in isolation, but 1.4x slower than packed in
