@@ -13,6 +13,7 @@ import hashlib
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 import traceback
@@ -89,7 +90,9 @@ def _build_name(isa: str) -> str:
     digest = hashlib.sha256()
     for path in sources() + sorted((CSRC / "include").glob("*.h")):
         digest.update(path.read_bytes())
-    digest.update(f"{torch.__version__}|{isa}".encode())
+    # The interpreter prefix too: cpp_extension rebuilds when torch's include paths change, so two
+    # virtualenvs sharing one folder would rebuild it in turn.
+    digest.update(f"{torch.__version__}|{isa}|{sys.prefix}".encode())
     return f"lightgen_cpu_{isa.lower()}_{digest.hexdigest()[:12]}"
 
 
