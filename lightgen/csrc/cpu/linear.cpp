@@ -272,12 +272,14 @@ void linear_rows(const float* x, int64_t m, int64_t k_len, const W* w, int64_t n
   });
 }
 
+enum class Layout { kRows, kKMajor, kPacked };  // [N, K] rows, Conv1D's [K, N], packed panels
+
 template <typename W>
-void dispatch_layout(int layout, const float* x, int64_t m, int64_t k_len, const W* w, int64_t ld_w, int64_t n,
+void dispatch_layout(Layout layout, const float* x, int64_t m, int64_t k_len, const W* w, int64_t ld_w, int64_t n,
                      const float* scale, const float* bias, Act act, float* y) {
-  if (layout == 0) return linear_rows(x, m, k_len, w, n, scale, bias, act, y);
+  if (layout == Layout::kRows) return linear_rows(x, m, k_len, w, n, scale, bias, act, y);
   if constexpr (std::is_same_v<W, float>) {
-    if (layout == 1) return linear_rows_k_major(x, m, k_len, w, ld_w, n, scale, bias, act, y);
+    if (layout == Layout::kKMajor) return linear_rows_k_major(x, m, k_len, w, ld_w, n, scale, bias, act, y);
   }
   linear_rows_packed(x, m, k_len, w, n, scale, bias, act, y);
 }
@@ -328,7 +330,7 @@ Tensor linear(const Tensor& x_in, const Tensor& weight_in, const c10::optional<T
   }
   const bool k_major = !packed && weight_in.scalar_type() == at::kFloat && weight_in.stride(0) == 1 && n > 1 &&
                        weight_in.stride(1) >= n;
-  const int layout = packed ? 2 : k_major ? 1 : 0;
+  const Layout layout = packed ? Layout::kPacked : k_major ? Layout::kKMajor : Layout::kRows;
   Tensor weight = k_major ? weight_in : weight_in.contiguous();
   const int64_t ld_w = k_major ? weight.stride(1) : 0;
   Tensor x = x_in.contiguous();
