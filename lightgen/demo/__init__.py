@@ -13,6 +13,7 @@ import zlib
 from pathlib import Path
 
 MODEL_DIR = Path(__file__).resolve().parent / "model"
+DRAFTER_DIR = Path(__file__).resolve().parent / "drafter"  # its GAD drafter: python -m lightgen.drafting
 CORPUS = Path(__file__).resolve().parent / "data" / "sentences.txt.gz"
 HELD_OUT_EVERY = 40  # one sentence in 40 (by a hash of its text) never reaches training
 
@@ -84,3 +85,10 @@ def load_demo_model(dtype=None):
     model = AutoModelForSeq2SeqLM.from_pretrained(MODEL_DIR, dtype=dtype or torch.float32).eval()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(MODEL_DIR)
     return model, tokenizer
+
+
+def load_demo_drafter():
+    """The shipped demo model's GAD drafter (``lightgen.drafting.NARDrafter``, fp32, eval mode)."""
+    from lightgen.drafting import NARDrafter
+
+    return NARDrafter.from_pretrained(DRAFTER_DIR)

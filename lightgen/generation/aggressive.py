@@ -1,15 +1,21 @@
-"""Input-guided aggressive decoding (IAD; Ge et al. 2022, arXiv 2205.10350), batched, on the static cache.
+"""Aggressive decoding (Ge et al. 2022, arXiv 2205.10350), batched, on the static cache.
 
-Each row drafts by copying its input from an anchor, the decoder verifies ``[last token, draft]`` in one
-pass, the row keeps the longest draft prefix that greedy decoding would have produced plus the
-verifier's own next token, and the cache rolls back by moving the row's length. The next anchor follows
-the shortest output suffix (1-3 tokens) found exactly once in the input; without one the row takes an
-ordinary greedy step. Rows keep their own lengths; finished rows leave the batch.
+Each iteration a drafter proposes tokens after every row's output so far; the decoder verifies
+``[last token, draft]`` in one pass; the row keeps the longest draft prefix the verifier accepts plus
+the verifier's own next token, and the cache rolls back by moving the row's length. Rows keep their
+own lengths; finished rows leave the batch (and the drafter's batch).
+
+- IAD (input-guided): the draft is copied from the input, after the shortest output suffix (1-3
+  tokens) found exactly once in it; without one the row takes an ordinary greedy step.
+- GAD (generalized): a drafter (``lightgen.drafting``) proposes ``block_size`` tokens. Acceptance
+  is greedy's own choice (top-1), so the output equals greedy; GAD++ (``beta`` > 1) also accepts a
+  draft token among the verifier's top-``beta`` whose log-probability is within ``tau`` of the top-1.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
@@ -38,6 +44,17 @@ class AggressiveDecoderOnlyOutput(_AggressiveStats, GenerateDecoderOnlyOutput):
     pass
 
 
+class DraftSession(Protocol):
+    """A drafter bound to one ``generate`` call's inputs."""
+
+    def draft(self, rows: list[int], outputs: list[list[int]], sizes: list[int]) -> list[list[int]]:
+        """Up to ``sizes[i]`` tokens to follow ``outputs[i]`` (the whole decoder sequence so far) for
+        batch row ``rows[i]``; an empty list means no guess."""
+
+    def close(self) -> None:
+        """Give back what the session holds (caches); called once decoding ends."""
+
+
 def find_anchor(output: list[int], source: list[int]) -> int | None:
     """Where to resume copying: after the unique occurrence in ``source`` of the shortest suffix of
     ``output`` (1-3 tokens) that occurs exactly once; None when every suffix is absent or ambiguous."""
@@ -51,40 +68,92 @@ def find_anchor(output: list[int], source: list[int]) -> int | None:
     return None
 
 
-def iad_greedy(decoder, state, input_ids, prompt_positions, sources: list[list[int]], eos_ids: set[int],
-               pad_token_id: int, max_length: int, max_draft: int) -> tuple[torch.Tensor, list[list[int]]]:
-    """Greedy decoding, accelerated by drafts copied from ``sources``.
+class CopyFromInput:
+    """IAD's drafter: copy ``sources[row]`` from the anchor that ``find_anchor`` gives."""
+
+    def __init__(self, sources: list[list[int]]) -> None:
+        self.sources = sources
+
+    def draft(self, rows, outputs, sizes):
+        drafts = []
+        for row, output, size in zip(rows, outputs, sizes, strict=True):
+            start = find_anchor(output, self.sources[row])
+            drafts.append([] if start is None else self.sources[row][start:start + size])
+        return drafts
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Which draft tokens the verifier keeps: its top-1 (``beta=1``: greedy's output), or with GAD++
+    any of its top-``beta`` whose log-probability is at most ``tau`` below the top-1's."""
+
+    beta: int = 1
+    tau: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.beta < 1 or self.tau < 0:
+            raise ValueError(f"aggressive decoding needs beta >= 1 and tau >= 0, got beta={self.beta}, tau={self.tau}")
+
+    def accepted(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """logits [N, 1 + K, V], drafts [N, K] (-1 after a row's draft) -> [N, K] bool: slot k passes."""
+        guesses = logits[:, :-1]
+        if self.beta == 1:
+            return guesses.argmax(-1) == drafts
+        log_probs = guesses.log_softmax(-1)
+        best, candidates = log_probs.topk(self.beta, dim=-1)
+        drafted = log_probs.gather(-1, drafts.clamp(min=0)[..., None])[..., 0]
+        return (candidates == drafts[..., None]).any(-1) & (best[..., 0] - drafted <= self.tau)
+
+
+def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: DraftSession, eos_ids: set[int],
+                      pad_token_id: int, max_length: int, max_draft: int, acceptance: Acceptance = Acceptance(),
+                      forced_eos: int | None = None) -> tuple[torch.Tensor, list[list[int]]]:
+    """Greedy decoding (or GAD++'s relaxation of it), accelerated by ``drafter``'s guesses; a row that
+    reaches ``max_length`` ends with ``forced_eos`` when given.
 
     Returns the sequences and, per row, the tokens each of its decoder passes added (accepted draft
-    tokens + the verifier's own token); a row's pass count is the length of its list."""
+    tokens + the verifier's own token); a row's pass count is the length of its list. The cache needs
+    ``max_draft`` spare positions: padding after short drafts is written there and rolled back."""
     rows, prompt_len = input_ids.shape
     device = input_ids.device
     sequences = torch.full((rows, max_length), pad_token_id, dtype=input_ids.dtype, device=device)
     sequences[:, :prompt_len] = input_ids
     outputs = [row.tolist() for row in input_ids]  # full sequences so far, per row
     live = list(range(rows))  # original row index of each row still decoding
-    logits = decoder.step(state, input_ids, prompt_positions)[:, None]  # the prompt pass: [rows, 1, V]
-    drafts = [[] for _ in live]
     gained = [[] for _ in range(rows)]
+    if prompt_len == 1:  # a lone start token (encoder-decoder): the first pass already verifies a draft
+        drafts = _draft(drafter, live, outputs, max_length, max_draft)
+        logits = _verify(decoder, state, outputs, live, drafts, pad_token_id, input_ids.dtype)
+    else:
+        logits = decoder.step(state, input_ids, prompt_positions)[:, None]  # the prompt pass: [rows, 1, V]
+        drafts = [[] for _ in live]
     while True:
+        width = logits.shape[1] - 1
+        draft_tensor = torch.full((len(live), width), -1, dtype=torch.long, device=logits.device)
+        for slot, draft in enumerate(drafts):
+            draft_tensor[slot, :len(draft)] = torch.tensor(draft, dtype=torch.long)
+        passed = acceptance.accepted(logits, draft_tensor).cumprod(-1).sum(-1).tolist() if width else [0] * len(live)
         predictions = logits.argmax(-1).tolist()  # [rows, 1 + K]
         rejected, finished = [], []
         for slot, row in enumerate(live):
-            draft, guesses = drafts[slot], predictions[slot]
-            accepted = 0
-            while accepted < len(draft) and guesses[accepted] == draft[accepted]:
-                accepted += 1
-            new_tokens = draft[:accepted] + [guesses[accepted]]
-            rejected.append(len(guesses) - 1 - accepted)
+            accepted = passed[slot]
+            new_tokens = drafts[slot][:accepted] + [predictions[slot][accepted]]
+            rejected.append(width - accepted)
             for position, token in enumerate(new_tokens):
-                if token in eos_ids or len(outputs[row]) + position + 1 >= max_length:
+                last = len(outputs[row]) + position + 1 >= max_length
+                if last or token in eos_ids:
                     new_tokens = new_tokens[:position + 1]
+                    if last and forced_eos is not None:  # HF's ForcedEOSTokenLogitsProcessor
+                        new_tokens[-1] = forced_eos
                     finished.append(slot)
                     break
             outputs[row].extend(new_tokens)
             gained[row].append(len(new_tokens))
-        for row in live:
-            sequences[row, : len(outputs[row])] = torch.tensor(outputs[row], dtype=sequences.dtype)
+            sequences[row, len(outputs[row]) - len(new_tokens): len(outputs[row])] = torch.tensor(
+                new_tokens, dtype=sequences.dtype)
         state.roll_back(torch.tensor(rejected, device=device))
         if len(finished) == len(live):
             break
@@ -92,19 +161,37 @@ def iad_greedy(decoder, state, input_ids, prompt_positions, sources: list[list[i
             keep = [slot for slot in range(len(live)) if slot not in finished]
             state.keep_rows(torch.tensor(keep, device=device))
             live = [live[slot] for slot in keep]
-        drafts = []
-        for row in live:
-            start = find_anchor(outputs[row], sources[row])
-            room = max_length - len(outputs[row]) - 1  # the verifier's own token needs one more place
-            drafts.append([] if start is None else sources[row][start:start + min(max_draft, room)])
-        width = max(len(draft) for draft in drafts)
-        tokens = torch.full((len(live), 1 + width), pad_token_id, dtype=input_ids.dtype, device=device)
-        for slot, row in enumerate(live):
-            tokens[slot, 0] = outputs[row][-1]
-            tokens[slot, 1:1 + len(drafts[slot])] = torch.tensor(drafts[slot], dtype=input_ids.dtype)
-        # Padding after short drafts is computed and rolled back; clamp its positions into the table.
-        positions = (state.next_position[:, None] + torch.arange(1 + width, device=device)).clamp(
-            max=decoder.spec.position_limit - 1)
-        logits = decoder.step(state, tokens, positions, all_positions=True)
+        drafts = _draft(drafter, live, outputs, max_length, max_draft)
+        logits = _verify(decoder, state, outputs, live, drafts, pad_token_id, input_ids.dtype)
     final_length = max(len(output) for output in outputs)
     return sequences[:, :final_length], gained
+
+
+def _draft(drafter, live, outputs, max_length, max_draft) -> list[list[int]]:
+    # The verifier's own token needs one more place after the draft.
+    sizes = [min(max_draft, max_length - len(outputs[row]) - 1) for row in live]
+    drafts = drafter.draft(live, [outputs[row] for row in live], sizes)
+    if len(drafts) != len(live):
+        raise ValueError(f"the drafter returned {len(drafts)} drafts for {len(live)} rows")
+    return [list(map(int, draft))[:size] for draft, size in zip(drafts, sizes, strict=True)]
+
+
+def _verify(decoder, state, outputs, live, drafts, pad_token_id, dtype) -> torch.Tensor:
+    """One decoder pass over ``[last token, draft]`` per row: logits [rows, 1 + K, V]."""
+    width = max(len(draft) for draft in drafts)
+    device = state.next_position.device
+    tokens = torch.full((len(live), 1 + width), pad_token_id, dtype=dtype, device=device)
+    for slot, row in enumerate(live):
+        tokens[slot, 0] = outputs[row][-1]
+        tokens[slot, 1:1 + len(drafts[slot])] = torch.tensor(drafts[slot], dtype=dtype)
+    # Padding after short drafts is computed and rolled back; clamp its positions into the table.
+    positions = (state.next_position[:, None] + torch.arange(1 + width, device=device)).clamp(
+        max=decoder.spec.position_limit - 1)
+    return decoder.step(state, tokens, positions, all_positions=True)
+
+
+def iad_greedy(decoder, state, input_ids, prompt_positions, sources: list[list[int]], eos_ids: set[int],
+               pad_token_id: int, max_length: int, max_draft: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """Greedy decoding, accelerated by drafts copied from ``sources`` (IAD)."""
+    return aggressive_greedy(decoder, state, input_ids, prompt_positions, CopyFromInput(sources), eos_ids,
+                             pad_token_id, max_length, max_draft)

@@ -13,6 +13,7 @@ the reason (``LIGHTGEN_STRICT=1`` raises instead), so a result is never silently
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import (
+    ForcedEOSTokenLogitsProcessor,
     LogitsProcessor,
     LogitsProcessorList,
     MinLengthLogitsProcessor,
@@ -36,7 +38,14 @@ from transformers.generation.utils import (
 )
 
 from lightgen import _build, ops
-from lightgen.generation.aggressive import AggressiveDecoderOnlyOutput, AggressiveEncoderDecoderOutput, iad_greedy
+from lightgen.drafting import start_session
+from lightgen.generation.aggressive import (
+    Acceptance,
+    AggressiveDecoderOnlyOutput,
+    AggressiveEncoderDecoderOutput,
+    CopyFromInput,
+    aggressive_greedy,
+)
 from lightgen.generation.diverse import group_beam_search
 
 DECODER_ATTR = "_lightgen_decoder"
@@ -68,18 +77,31 @@ def _fall_back(reason: str) -> None:
 
 
 def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, *, decoding: str = "auto",
-                         max_draft: int = 16, draft_ids=None, **kwargs):
+                         max_draft: int = 16, draft_ids=None, drafter=None, block_size: int = 8, beta: int = 1,
+                         tau: float = 0.0, **kwargs):
     """``model.generate`` after ``accelerate_model``: HF's arguments and outputs, lightgen's loop.
 
     ``decoding="iad"`` runs greedy decoding with input-guided aggressive decoding (drafts copied
     from the input, verified in one pass, at most ``max_draft`` tokens each): the same tokens as
     greedy, in fewer decoder passes when the output resembles the input. ``draft_ids`` (one token
     list per row) replaces the input as the text drafts are copied from.
+
+    ``decoding="gad"`` drafts ``block_size`` tokens per pass with ``drafter`` (see
+    ``lightgen.drafting``): the same tokens as greedy with ``beta=1``; GAD++ (``beta`` > 1) also
+    accepts a drafted token among the verifier's top-``beta`` within ``tau`` of the top-1's log-probability.
     """
-    if decoding not in ("auto", "iad"):
-        raise ValueError(f"lightgen generate: decoding must be 'auto' or 'iad', got {decoding!r}")
-    if max_draft < 1:
-        raise ValueError(f"lightgen generate: max_draft must be >= 1, got {max_draft}")
+    if decoding not in ("auto", "iad", "gad"):
+        raise ValueError(f"lightgen generate: decoding must be 'auto', 'iad' or 'gad', got {decoding!r}")
+    if max_draft < 1 or block_size < 1:
+        raise ValueError(f"lightgen generate: max_draft and block_size must be >= 1, got {max_draft}, {block_size}")
+    if (decoding == "gad") != (drafter is not None):
+        raise ValueError("lightgen generate: decoding='gad' needs a drafter, and a drafter needs decoding='gad'")
+    if decoding != "gad" and (beta != 1 or tau != 0.0):
+        raise ValueError("lightgen generate: beta and tau (GAD++) apply to decoding='gad' only")
+    aggressive = None
+    if decoding != "auto":
+        aggressive = Aggressive(drafter=drafter, draft_ids=draft_ids, acceptance=Acceptance(beta, tau),
+                                max_draft=block_size if decoding == "gad" else max_draft)
     original = type(model).generate
     input_ids = inputs if inputs is not None else kwargs.get("input_ids")
     if isinstance(input_ids, torch.Tensor) and (input_ids.dim() != 2 or input_ids.shape[0] == 0):
@@ -97,8 +119,22 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     if any("_hf_hook" in module.__dict__ for module in model.modules()):
         _fall_back("the model carries accelerate hooks (offloaded or dispatched weights)")
         return original(model, inputs, generation_config, **kwargs)
-    decode = functools.partial(lightgen_decode, decoding=decoding, max_draft=max_draft, draft_ids=draft_ids)
+    decode = functools.partial(lightgen_decode, aggressive=aggressive)
     return original(model, inputs, generation_config, custom_generate=decode, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Aggressive:
+    """How to draft (copy the input or ``draft_ids``, or ask ``drafter``) and what to accept."""
+
+    drafter: object
+    draft_ids: list | None
+    acceptance: Acceptance
+    max_draft: int
+
+    @property
+    def name(self) -> str:
+        return "iad" if self.drafter is None else "gad"
 
 
 def _unsupported(generation_config, model_kwargs) -> str | None:
@@ -118,27 +154,30 @@ def _unsupported(generation_config, model_kwargs) -> str | None:
     return None
 
 
-def _iad_unsupported(model, generation_config, logits_processor, stopping_criteria) -> str | None:
+def _aggressive_unsupported(name, generation_config, logits_processor, stopping_criteria) -> str | None:
     if generation_config.get_generation_mode() != GenerationMode.GREEDY_SEARCH:
-        return "decoding='iad' is greedy decoding: num_beams=1 and do_sample=False"
-    if len(logits_processor):
-        names = ", ".join(type(p).__name__ for p in logits_processor)
-        return f"decoding='iad' does not run logits processors ({names}); running plain greedy"
+        return f"decoding='{name}' is greedy decoding: num_beams=1 and do_sample=False"
+    others = [p for p in logits_processor if not isinstance(p, ForcedEOSTokenLogitsProcessor)]
+    if others:
+        names = ", ".join(type(p).__name__ for p in others)
+        return f"decoding='{name}' does not run logits processors ({names}); running plain greedy"
     if any(type(c).__name__ not in ("MaxLengthCriteria", "EosTokenCriteria") for c in stopping_criteria):
-        return "decoding='iad' supports only max-length and EOS stopping; running plain greedy"
+        return f"decoding='{name}' supports only max-length and EOS stopping; running plain greedy"
     if generation_config.return_dict_in_generate and (generation_config.output_scores
                                                       or generation_config.output_logits):
-        return "decoding='iad' does not return scores or logits; running plain greedy"
+        return f"decoding='{name}' does not return scores or logits; running plain greedy"
     return None
 
 
 def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, inputs_tensor=None,
-                    decoding="auto", max_draft=16, draft_ids=None, **model_kwargs):
-    """HF ``custom_generate`` callable: greedy, sampling and beam search on lightgen's decoder."""
-    if decoding == "iad":
-        reason = _iad_unsupported(model, generation_config, logits_processor, stopping_criteria)
+                    aggressive: Aggressive | None = None, **model_kwargs):
+    """HF ``custom_generate`` callable: greedy, sampling and beam search on lightgen's decoder, and
+    aggressive decoding (IAD, GAD) for greedy."""
+    if aggressive is not None:
+        reason = _aggressive_unsupported(aggressive.name, generation_config, logits_processor, stopping_criteria)
         if reason is None:
-            return _iad(model, input_ids, inputs_tensor, generation_config, max_draft, draft_ids, model_kwargs)
+            return _aggressive(model, input_ids, inputs_tensor, generation_config, logits_processor, aggressive,
+                               model_kwargs)
         _fall_back(reason)
     reason = _unsupported(generation_config, model_kwargs)
     if reason is None:
@@ -178,31 +217,45 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
         state.release()
 
 
-def _iad(model, input_ids, inputs_tensor, generation_config, max_draft, draft_ids, model_kwargs):
+def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_processor, aggressive: Aggressive,
+                model_kwargs):
     decoder = getattr(model, DECODER_ATTR)
     embedding = decoder.spec.token_embedding
     # Spare cache room for the padding after short drafts, which is written and then rolled back.
     start = dict(rows=input_ids.shape[0], max_len=generation_config.max_length, dtype=embedding.dtype,
-                 device=embedding.device, spare_positions=max_draft)
+                 device=embedding.device, spare_positions=aggressive.max_draft)
     mask = model_kwargs.get("attention_mask")
     source = inputs_tensor if model.config.is_encoder_decoder else input_ids
     keep = mask.bool() if mask is not None else torch.ones_like(source, dtype=torch.bool)
-    sources = ([list(map(int, ids)) for ids in draft_ids] if draft_ids is not None
-               else [row[row_keep].tolist() for row, row_keep in zip(source, keep, strict=True)])
-    if len(sources) != input_ids.shape[0]:
-        raise ValueError(f"lightgen generate: draft_ids has {len(sources)} rows for a batch of {input_ids.shape[0]}")
-    if model.config.is_encoder_decoder:
-        state = decoder.start(**start, encoder_hidden=model_kwargs["encoder_outputs"][0], encoder_mask=mask)
+    sources = [row[row_keep].tolist() for row, row_keep in zip(source, keep, strict=True)]
+    if aggressive.draft_ids is not None:
+        sources = [list(map(int, ids)) for ids in aggressive.draft_ids]
+        if len(sources) != input_ids.shape[0]:
+            raise ValueError(f"lightgen generate: draft_ids has {len(sources)} rows for a batch of "
+                             f"{input_ids.shape[0]}")
+    if aggressive.drafter is None:
+        drafts = CopyFromInput(sources)
     else:
-        state = decoder.start(**start, prompt_mask=mask)
+        drafts = start_session(aggressive.drafter, sources=sources, source_ids=source, source_mask=mask,
+                               max_length=generation_config.max_length, max_draft=aggressive.max_draft)
     eos = generation_config._eos_token_tensor
     pad = generation_config._pad_token_tensor
+    # Forcing EOS at the last position picks the lowest forced id, as argmax over HF's scores does.
+    forced = [int(p.eos_token_id.min()) for p in logits_processor if isinstance(p, ForcedEOSTokenLogitsProcessor)]
     try:
-        sequences, gained = iad_greedy(decoder, state, input_ids, model_kwargs.get("position_ids"), sources,
-                                       set(eos.tolist()) if eos is not None else set(),
-                                       int(pad) if pad is not None else 0, generation_config.max_length, max_draft)
+        if model.config.is_encoder_decoder:
+            state = decoder.start(**start, encoder_hidden=model_kwargs["encoder_outputs"][0], encoder_mask=mask)
+        else:
+            state = decoder.start(**start, prompt_mask=mask)
+        try:
+            sequences, gained = aggressive_greedy(
+                decoder, state, input_ids, model_kwargs.get("position_ids"), drafts,
+                set(eos.tolist()) if eos is not None else set(), int(pad) if pad is not None else 0,
+                generation_config.max_length, aggressive.max_draft, aggressive.acceptance, forced[0] if forced else None)
+        finally:
+            state.release()
     finally:
-        state.release()
+        drafts.close()
     if not generation_config.return_dict_in_generate:
         return sequences
     output_class = AggressiveEncoderDecoderOutput if model.config.is_encoder_decoder else AggressiveDecoderOnlyOutput

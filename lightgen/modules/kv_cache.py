@@ -27,7 +27,9 @@ class BufferPool:
             free = self._free.get(key)
             if free:
                 return free.pop()
-        return torch.empty(key[0], dtype=dtype, device=key[2])
+        # Never an inference tensor: a buffer first taken under torch.inference_mode() is reused outside it.
+        with torch.inference_mode(False):
+            return torch.empty(key[0], dtype=dtype, device=key[2])
 
     def give_back(self, *tensors: torch.Tensor) -> None:
         with self._lock:

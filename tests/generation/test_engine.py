@@ -359,5 +359,16 @@ def test_iad_needs_greedy_and_says_so():
     ids, mask = padded_batch("bart", 1, 5)
     with pytest.warns(RuntimeWarning, match="decoding='iad' is greedy decoding"):
         accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2, decoding="iad")
-    with pytest.raises(ValueError, match="decoding must be 'auto' or 'iad'"):
+    with pytest.raises(ValueError, match="decoding must be 'auto', 'iad' or 'gad'"):
         accelerated.generate(input_ids=ids, max_new_tokens=4, decoding="fast")
+
+
+def test_generate_inside_and_outside_inference_mode_share_buffers():
+    """Pooled buffers first allocated under torch.inference_mode() are reused by a plain call."""
+    accelerated, reference = _pair("bart", 0)
+    ids, mask = padded_batch("bart", 2, 6)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5)
+    expected = reference.generate(**kwargs)
+    with torch.inference_mode():
+        assert torch.equal(accelerated.generate(**kwargs), expected)
+    assert torch.equal(accelerated.generate(**kwargs), expected)

@@ -1,0 +1,374 @@
+"""Drafters for generalized aggressive decoding (GAD; Ge et al. 2022, arXiv 2205.10350).
+
+``model.generate(..., decoding="gad", drafter=D, block_size=k)`` takes any of:
+
+- ``NARDrafter``: the paper's non-autoregressive drafter. Its encoder reads the input once per call;
+  each iteration its decoder reads the output so far followed by ``k`` mask tokens, bidirectionally,
+  and proposes the argmax of every masked slot. ``train_drafter`` distils one from a verifier's own
+  greedy outputs (``python -m lightgen.drafting``);
+- a small autoregressive model with the verifier's vocabulary (HF ``assistant_model`` semantics, but
+  batched): it decodes ``k`` greedy tokens on lightgen's static cache, rolled back after each draft;
+- any callable ``drafter(sources, outputs, block_size) -> list of token lists``, where ``sources``
+  and ``outputs`` are the input and the decoder sequence so far of each row still decoding.
+
+The drafter only proposes: the verifier decides, so with ``beta=1`` the output is greedy's whatever
+the drafter says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+CONFIG_NAME = "drafter_config.json"
+WEIGHTS_NAME = "drafter.safetensors"
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    vocab_size: int  # the verifier's; one more embedding row is the mask token
+    pad_token_id: int
+    d_model: int = 256
+    heads: int = 4
+    ffn_dim: int = 768
+    encoder_layers: int = 2
+    decoder_layers: int = 2
+    max_positions: int = 256
+    max_block_size: int = 16  # the most mask tokens it was trained to fill at once
+
+
+class NARDrafter(nn.Module):
+    """A small Transformer (pre-LN) whose decoder attends in both directions: it fills mask tokens."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.mask_token_id = config.vocab_size
+        self.tokens = nn.Embedding(config.vocab_size + 1, config.d_model, padding_idx=config.pad_token_id)
+        self.source_positions = nn.Embedding(config.max_positions, config.d_model)
+        self.target_positions = nn.Embedding(config.max_positions, config.d_model)
+
+        def layer(kind):
+            return kind(config.d_model, config.heads, config.ffn_dim, dropout=0.0, activation="gelu",
+                        batch_first=True, norm_first=True)
+
+        self.encoder = nn.TransformerEncoder(layer(nn.TransformerEncoderLayer), config.encoder_layers,
+                                             norm=nn.LayerNorm(config.d_model), enable_nested_tensor=False)
+        self.decoder = nn.TransformerDecoder(layer(nn.TransformerDecoderLayer), config.decoder_layers,
+                                             norm=nn.LayerNorm(config.d_model))
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def encode(self, source: torch.Tensor, source_pad: torch.Tensor) -> torch.Tensor:
+        """source [B, S] ids, source_pad [B, S] True at padding -> [B, S, E]."""
+        positions = torch.arange(source.shape[1], device=source.device)
+        return self.encoder(self.tokens(source) + self.source_positions(positions), src_key_padding_mask=source_pad)
+
+    def decode(self, memory, source_pad, target: torch.Tensor, target_pad: torch.Tensor) -> torch.Tensor:
+        """target [B, T] (output so far, then mask tokens) -> logits [B, T, V]; no causal mask."""
+        positions = torch.arange(target.shape[1], device=target.device)
+        hidden = self.decoder(self.tokens(target) + self.target_positions(positions), memory,
+                              tgt_key_padding_mask=target_pad, memory_key_padding_mask=source_pad)
+        return self.head(hidden)
+
+    def start(self, sources: list[list[int]]) -> "_NARSession":
+        return _NARSession(self, sources)
+
+    def save_pretrained(self, directory) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / CONFIG_NAME).write_text(json.dumps(dataclasses.asdict(self.config), indent=2) + "\n")
+        save_file({name: tensor.detach().half().contiguous() for name, tensor in self.state_dict().items()},
+                  directory / WEIGHTS_NAME)
+
+    @classmethod
+    def from_pretrained(cls, directory, dtype=torch.float32) -> "NARDrafter":
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        if not (directory / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"no {CONFIG_NAME} in {directory}: not a lightgen drafter folder")
+        drafter = cls(DrafterConfig(**json.loads((directory / CONFIG_NAME).read_text())))
+        state = {name: tensor.to(dtype) for name, tensor in load_file(directory / WEIGHTS_NAME).items()}
+        drafter.load_state_dict(state)
+        return drafter.to(dtype).eval()
+
+
+def _pad(rows: list[list[int]], value: int, device=None) -> torch.Tensor:
+    out = torch.full((len(rows), max(map(len, rows))), value, dtype=torch.long, device=device)
+    for index, row in enumerate(rows):
+        out[index, :len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
+
+
+def _padding(rows: list[list[int]], device=None) -> torch.Tensor:
+    """True after each row's end (not "equals the pad id": some models pad with a real token)."""
+    lengths = torch.tensor([len(row) for row in rows], device=device)
+    return torch.arange(int(lengths.max()), device=device) >= lengths[:, None]
+
+
+class _NARSession:
+    """One generate call: sources encoded once; each draft reruns the small decoder over the output."""
+
+    def __init__(self, drafter: NARDrafter, sources: list[list[int]]) -> None:
+        config = drafter.config
+        device = drafter.head.weight.device
+        self.drafter = drafter
+        sources = [row[:config.max_positions] or [config.pad_token_id] for row in sources]
+        source = _pad(sources, config.pad_token_id, device)
+        self.source_pad = _padding(sources, device)
+        with torch.inference_mode():
+            self.memory = drafter.encode(source, self.source_pad)
+
+    def draft(self, rows, outputs, sizes):
+        config, drafter = self.drafter.config, self.drafter
+        block = min(max(sizes), config.max_block_size)
+        if block <= 0:
+            return [[] for _ in rows]
+        context = config.max_positions - block  # longer outputs draft from their most recent tokens
+        targets = [output[-context:] + [drafter.mask_token_id] * block for output in outputs]
+        target = _pad(targets, config.pad_token_id, self.memory.device)
+        target_pad = _padding(targets, self.memory.device)
+        index = torch.tensor(rows, device=self.memory.device)
+        with torch.inference_mode():
+            logits = drafter.decode(self.memory.index_select(0, index), self.source_pad.index_select(0, index),
+                                    target, target_pad)
+        guesses = logits.argmax(-1).tolist()
+        return [guess[len(target_row) - block: len(target_row)]
+                for guess, target_row in zip(guesses, targets, strict=True)]
+
+    def close(self) -> None:
+        pass
+
+
+class _CallableSession:
+    def __init__(self, function, sources: list[list[int]]) -> None:
+        self.function, self.sources = function, sources
+
+    def draft(self, rows, outputs, sizes):
+        drafts = self.function([self.sources[row] for row in rows], [list(output) for output in outputs], max(sizes))
+        return [list(draft) for draft in drafts]
+
+    def close(self) -> None:
+        pass
+
+
+class _AssistantSession:
+    """A small AR model drafting ``k`` greedy tokens per row on its own static cache.
+
+    Each draft first feeds the tokens the verifier accepted since the last one (padded across rows,
+    padding rolled back), then steps greedily; the drafted tokens are rolled back afterwards, since
+    the verifier may reject them.
+    """
+
+    def __init__(self, assistant, source_ids, source_mask, max_length: int, max_draft: int) -> None:
+        from lightgen.generation.engine import DECODER_ATTR
+
+        self.decoder = getattr(assistant, DECODER_ATTR)
+        embedding = self.decoder.spec.token_embedding
+        rows = source_ids.shape[0]
+        # Room for the output, the widest catch-up feed (a whole accepted block) and the draft itself.
+        start = dict(rows=rows, max_len=max_length, dtype=embedding.dtype, device=embedding.device,
+                     spare_positions=2 * max_draft + 2)
+        self.live = list(range(rows))
+        if assistant.config.is_encoder_decoder:
+            with torch.inference_mode():
+                hidden = assistant.get_encoder()(input_ids=source_ids, attention_mask=source_mask)[0]
+            self.state = self.decoder.start(**start, encoder_hidden=hidden, encoder_mask=source_mask)
+            self.fed = [0] * rows
+        else:  # the source is the prompt, which the verifier's output starts with
+            self.state = self.decoder.start(**start, prompt_mask=source_mask)
+            positions = None if source_mask is None else (source_mask.long().cumsum(-1) - 1).clamp(min=0)
+            with torch.inference_mode():
+                self.decoder.step(self.state, source_ids, positions)
+            self.fed = [source_ids.shape[1]] * rows
+
+    def _positions(self, width: int) -> torch.Tensor:
+        offsets = torch.arange(width, device=self.state.next_position.device)
+        return (self.state.next_position[:, None] + offsets).clamp(max=self.decoder.spec.position_limit - 1)
+
+    def draft(self, rows, outputs, sizes):
+        state, decoder = self.state, self.decoder
+        if rows != self.live:
+            state.keep_rows(torch.tensor([self.live.index(row) for row in rows], device=state.lengths.device))
+            self.live = list(rows)
+        unseen = [output[self.fed[row]:] for row, output in zip(rows, outputs, strict=True)]
+        width, block = max(map(len, unseen)), max(sizes)
+        if block <= 0:
+            return [[] for _ in rows]
+        tokens = _pad(unseen, 0, state.lengths.device)
+        lengths = torch.tensor([len(row) for row in unseen], device=state.lengths.device)
+        with torch.inference_mode():
+            logits = decoder.step(state, tokens, self._positions(width), all_positions=True)
+            state.roll_back(width - lengths)
+            guess = logits[torch.arange(len(rows)), lengths - 1].argmax(-1)
+            drafted = [guess]
+            for _ in range(block - 1):
+                guess = decoder.step(state, guess[:, None], self._positions(1)).argmax(-1)
+                drafted.append(guess)
+            state.roll_back(torch.full_like(lengths, block - 1))
+        for row, output in zip(rows, outputs, strict=True):
+            self.fed[row] = len(output)
+        return torch.stack(drafted, 1).tolist()
+
+    def close(self) -> None:
+        self.state.release()
+
+
+def start_session(drafter, *, sources: list[list[int]], source_ids, source_mask, max_length: int, max_draft: int):
+    """Bind ``drafter`` (see the module docstring) to one generate call's inputs: ``source_ids`` [N, S] and
+    ``source_mask`` are the encoder's input (or a decoder-only model's prompt), ``sources`` the same
+    without padding."""
+    from transformers import PreTrainedModel
+
+    if isinstance(drafter, NARDrafter):
+        return drafter.start(sources)
+    if isinstance(drafter, PreTrainedModel):
+        from lightgen.adapters.base import accelerate_model
+        from lightgen.generation.engine import DECODER_ATTR
+
+        if not hasattr(drafter, DECODER_ATTR):
+            accelerate_model(drafter)
+        return _AssistantSession(drafter, source_ids, source_mask, max_length, max_draft)
+    if callable(drafter):
+        return _CallableSession(drafter, sources)
+    raise TypeError(f"lightgen generate: drafter must be a lightgen.drafting.NARDrafter, a Hugging Face model or a "
+                    f"callable, got {type(drafter).__name__}")
+
+
+# --- distillation: a drafter for a given verifier, trained on the verifier's own greedy outputs ---
+
+def greedy_targets(verifier, sources: list[list[int]], pad_token_id: int, batch_size: int = 64,
+                   **generate_kwargs) -> list[list[int]]:
+    """The verifier's greedy decoder sequences (start token to EOS) for ``sources``, by IAD (same tokens)."""
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    targets: list[list[int] | None] = [None] * len(sources)
+    for begin in range(0, len(order), batch_size):
+        chunk = order[begin:begin + batch_size]
+        input_ids = _pad([sources[i] for i in chunk], pad_token_id)
+        with torch.inference_mode():
+            out = verifier.generate(input_ids=input_ids, attention_mask=input_ids.ne(pad_token_id), do_sample=False,
+                                    num_beams=1, decoding="iad", **generate_kwargs)
+        for i, row in zip(chunk, out.tolist(), strict=True):
+            while len(row) > 1 and row[-1] == pad_token_id:
+                row.pop()
+            targets[i] = row
+    return targets
+
+
+def _training_batch(sources, targets, indices, block, mask_token_id, pad_token_id):
+    """Each target cut at a random point: its prefix, then ``block`` masks labelled with what follows."""
+    decoder_rows, label_rows = [], []
+    for i in indices:
+        target = targets[i]
+        cut = random.randint(1, len(target) - 1)
+        following = target[cut:cut + block]
+        decoder_rows.append(target[:cut] + [mask_token_id] * block)
+        label_rows.append([IGNORE_INDEX] * cut + following + [IGNORE_INDEX] * (block - len(following)))
+    source_rows = [sources[i] for i in indices]
+    return (_pad(source_rows, pad_token_id), _padding(source_rows), _pad(decoder_rows, pad_token_id),
+            _padding(decoder_rows), _pad(label_rows, IGNORE_INDEX))
+
+
+def train_drafter(drafter: NARDrafter, sources: list[list[int]], targets: list[list[int]], *, steps: int = 1500,
+                  batch_size: int = 64, lr: float = 1e-3, warmup: int = 100, seed: int = 0, log_every: int = 100,
+                  log=print) -> NARDrafter:
+    """Teach ``drafter`` to fill 1..max_block_size masks after a random prefix of ``targets``."""
+    config = drafter.config
+    pairs = [i for i, target in enumerate(targets) if 2 <= len(target) < config.max_positions - config.max_block_size]
+    if not pairs:
+        raise ValueError("train_drafter: no target has 2 or more tokens")
+    random.seed(seed)
+    torch.manual_seed(seed)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(
+        (step + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(step / steps, 1.0)))))
+    drafter.train()
+    started, running = time.time(), None
+    for step in range(1, steps + 1):
+        block = random.randint(1, config.max_block_size)
+        source, source_pad, target, target_pad, labels = _training_batch(
+            sources, targets, random.sample(pairs, min(batch_size, len(pairs))), block, drafter.mask_token_id,
+            config.pad_token_id)
+        logits = drafter.decode(drafter.encode(source, source_pad), source_pad, target, target_pad)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        loss.backward()
+        nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+        if step % log_every == 0:
+            log(f"drafter step {step} loss {running:.3f} {time.time() - started:.0f}s")
+    return drafter.eval()
+
+
+def drafter_for(verifier, **sizes) -> NARDrafter:
+    """An untrained drafter shaped for ``verifier``, starting from its token embeddings where widths match."""
+    config = verifier.config
+    drafter = NARDrafter(DrafterConfig(vocab_size=config.vocab_size, pad_token_id=config.pad_token_id, **sizes))
+    embedding = verifier.get_input_embeddings().weight
+    if embedding.shape[1] == drafter.config.d_model:
+        with torch.no_grad():
+            drafter.tokens.weight[:config.vocab_size] = embedding.float()
+    return drafter
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightgen.drafting",
+        description="Distil a GAD drafter for a verifier from the verifier's own greedy outputs.")
+    parser.add_argument("--verifier", type=Path, help="HF model folder (default: the shipped demo model)")
+    parser.add_argument("--text", type=Path, help="source sentences, one per line (default: the demo corpus's "
+                        "training sentences with synthetic errors)")
+    parser.add_argument("--out", type=Path, help="where to save (default: the demo drafter's folder)")
+    parser.add_argument("--sentences", type=int, default=20000)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
+
+    from lightgen import accelerate_model
+    from lightgen.demo import DRAFTER_DIR, MODEL_DIR, split
+    from lightgen.demo.noise import Noiser, number_pairs
+
+    verifier_dir = args.verifier or MODEL_DIR
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(verifier_dir)
+    verifier = accelerate_model(AutoModelForSeq2SeqLM.from_pretrained(verifier_dir, dtype=torch.float32).eval())
+    if args.text:
+        lines = [line.strip() for line in args.text.read_text().splitlines() if line.strip()]
+    else:
+        train, _ = split()
+        rng = random.Random(args.seed)
+        noiser = Noiser(number_pairs(train))
+        lines = [noiser(sentence, rng) for sentence in rng.sample(train, min(args.sentences, len(train)))]
+    lines = lines[:args.sentences]
+    started = time.time()
+    sources = tokenizer(lines)["input_ids"]
+    targets = greedy_targets(verifier, sources, verifier.config.pad_token_id)
+    print(f"{len(sources)} greedy targets from the verifier in {time.time() - started:.0f}s", flush=True)
+    drafter = drafter_for(verifier)
+    print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters", flush=True)
+    train_drafter(drafter, sources, targets, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                  seed=args.seed, log=lambda line: print(line, flush=True))
+    out = args.out or DRAFTER_DIR
+    drafter.save_pretrained(out)
+    print(f"saved to {out} after {time.time() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

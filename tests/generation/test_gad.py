@@ -1,0 +1,243 @@
+"""Generalized aggressive decoding: any drafter, greedy's tokens (beta=1); GAD++'s acceptance rule."""
+
+import copy
+import random
+
+import pytest
+import torch
+from models import DECODER_ONLY, SEQ2SEQ, VOCAB, build, padded_batch
+
+import lightgen
+from lightgen.drafting import DrafterConfig, NARDrafter, greedy_targets, train_drafter
+from lightgen.generation.aggressive import Acceptance, CopyFromInput, aggressive_greedy
+
+GENERATING = SEQ2SEQ + DECODER_ONLY
+
+
+def _greedy(family, seed, batch=3, length=9, new_tokens=14):
+    reference = build(family, seed=seed)
+    reference.generation_config.forced_eos_token_id = None
+    accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
+    ids, mask = padded_batch(family, batch, length, seed=seed)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, pad_token_id=1)
+    return accelerated, reference, reference.generate(**kwargs), kwargs
+
+
+def _random_drafter(seed):
+    torch.manual_seed(seed)
+    return NARDrafter(DrafterConfig(vocab_size=VOCAB, pad_token_id=1, d_model=32, heads=4, ffn_dim=48,
+                                    encoder_layers=1, decoder_layers=1, max_positions=64, max_block_size=8)).eval()
+
+
+@pytest.mark.parametrize("family", GENERATING)
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("block_size", [1, 3, 8])
+def test_gad_with_an_untrained_drafter_equals_greedy(family, seed, block_size):
+    accelerated, _, expected, kwargs = _greedy(family, seed)
+    got = accelerated.generate(**kwargs, decoding="gad", drafter=_random_drafter(seed), block_size=block_size)
+    assert torch.equal(got, expected)
+
+
+def _oracle(expected, corrupt_every=0, eos=None):
+    """A callable drafter that knows greedy's output (every n-th token wrong, or EOS sprinkled in)."""
+    targets = [row.tolist() for row in expected]
+
+    def draft(sources, outputs, block_size):
+        drafts = []
+        for output in outputs:
+            target = next(t for t in targets if t[:len(output)] == output)
+            guess = target[len(output):len(output) + block_size]
+            for index in range(len(guess)):
+                position = len(output) + index
+                if corrupt_every and position % corrupt_every == 0:
+                    guess[index] = (guess[index] + 5) % VOCAB
+                if eos is not None and position % 4 == 3:
+                    guess[index] = eos
+            drafts.append(guess)
+        return drafts
+
+    return draft
+
+
+@pytest.mark.parametrize("family", ["bart", "marian", "gpt2", "llama"])
+@pytest.mark.parametrize("corrupt_every, eos", [(0, None), (3, None), (2, None), (0, 2)])
+def test_gad_with_good_bad_and_eos_drafts_equals_greedy(family, corrupt_every, eos, step_counter):
+    accelerated, _, expected, kwargs = _greedy(family, 3, batch=4)
+    out = accelerated.generate(**kwargs, decoding="gad", drafter=_oracle(expected, corrupt_every, eos), block_size=5,
+                               return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    prompt = 1 if family in SEQ2SEQ else kwargs["input_ids"].shape[1]
+    longest = expected.shape[1] - prompt
+    if corrupt_every == 0 and eos is None and longest > 5:
+        assert len(step_counter) <= -(-longest // 6) + 2, "exact drafts: up to 6 tokens per pass"
+        assert int(out.tokens_per_iteration[0].max()) == 6
+
+
+@pytest.mark.parametrize("bad", ["empty", "too_long", "random"])
+def test_gad_survives_drafts_of_any_shape(bad):
+    accelerated, _, expected, kwargs = _greedy("bart", 4, batch=3)
+    rng = random.Random(0)
+
+    def draft(sources, outputs, block_size):
+        if bad == "empty":
+            return [[] for _ in outputs]
+        if bad == "too_long":
+            return [[rng.randrange(3, VOCAB) for _ in range(block_size + 7)] for _ in outputs]
+        return [[rng.randrange(0, VOCAB) for _ in range(rng.randrange(block_size + 1))] for _ in outputs]
+
+    assert torch.equal(accelerated.generate(**kwargs, decoding="gad", drafter=draft, block_size=4), expected)
+
+
+def test_a_drafter_answering_for_the_wrong_number_of_rows_is_a_clear_error():
+    accelerated, _, _, kwargs = _greedy("bart", 0)
+    with pytest.raises(ValueError, match="drafter returned 1 drafts for 3 rows"):
+        accelerated.generate(**kwargs, decoding="gad", drafter=lambda sources, outputs, k: [[5]])
+
+
+@pytest.mark.parametrize("family", ["bart", "mbart", "gpt2", "qwen2"])
+@pytest.mark.parametrize("assistant_seed", [None, 7])
+def test_gad_with_an_autoregressive_assistant_equals_greedy(family, assistant_seed, step_counter):
+    """A small AR model drafts on its own cache; the verifier's copy as assistant drafts greedy itself."""
+    accelerated, reference, expected, kwargs = _greedy(family, 2, batch=4, new_tokens=18)
+    assistant = copy.deepcopy(reference) if assistant_seed is None else build(family, seed=assistant_seed)
+    out = accelerated.generate(**kwargs, decoding="gad", drafter=assistant, block_size=4,
+                               return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    if assistant_seed is None:  # every draft token is greedy's: 5 tokens per verifier pass until the end
+        assert all(min(row[1:-1].tolist(), default=5) == 5 for row in out.tokens_per_iteration)
+
+
+@pytest.mark.parametrize("family", ["bart", "gpt2"])
+@pytest.mark.parametrize("beta, tau", [(2, 0.5), (3, 2.0), (5, 100.0)])
+def test_gad_plus_plus_accepts_only_top_beta_tokens_within_tau(family, beta, tau):
+    """Score the GAD++ output with the reference model: every token the verifier did not pick itself
+    is among its top-beta and within tau of its top-1, given the output before it."""
+    accelerated, reference, _, kwargs = _greedy(family, 6, batch=3, new_tokens=16)
+    got = accelerated.generate(**kwargs, decoding="gad", drafter=_random_drafter(6), block_size=6, beta=beta, tau=tau)
+    prompt = 1 if family in SEQ2SEQ else kwargs["input_ids"].shape[1]
+    with torch.no_grad():
+        if family in SEQ2SEQ:
+            logits = reference(input_ids=kwargs["input_ids"], attention_mask=kwargs["attention_mask"],
+                               decoder_input_ids=got).logits
+        else:
+            mask = torch.cat([kwargs["attention_mask"], torch.ones_like(got[:, prompt:])], 1)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = reference(input_ids=got, attention_mask=mask, position_ids=positions).logits
+    log_probs = logits.float().log_softmax(-1)
+    for row in range(got.shape[0]):
+        for position in range(prompt, got.shape[1]):
+            token = int(got[row, position])
+            scores = log_probs[row, position - 1]
+            if token == 1 and int(got[row, position - 1]) in (1, 2):  # padding after EOS
+                break
+            top, candidates = scores.topk(beta)
+            assert token in candidates.tolist() and float(top[0] - scores[token]) <= tau + 1e-5
+            if token == 2:
+                break
+
+
+def test_gad_plus_plus_with_greedy_drafts_is_greedy():
+    accelerated, _, expected, kwargs = _greedy("bart", 3, batch=4)
+    got = accelerated.generate(**kwargs, decoding="gad", drafter=_oracle(expected), block_size=5, beta=4, tau=3.0)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(decoding="gad"), "needs a drafter"),
+    (dict(decoding="iad", drafter=lambda *a: []), "needs a drafter"),
+    (dict(decoding="iad", beta=2), "apply to decoding='gad' only"),
+    (dict(decoding="gad", drafter=lambda *a: [], beta=0), "beta >= 1"),
+    (dict(decoding="gad", drafter=lambda *a: [], tau=-1.0), "tau >= 0"),
+    (dict(decoding="gad", drafter=lambda *a: [], block_size=0), "block_size must be >= 1"),
+    (dict(decoding="gad", drafter="model.bin"), "drafter must be"),
+])
+def test_bad_aggressive_settings_are_clear_errors(kwargs, message):
+    accelerated, _, _, generate_kwargs = _greedy("bart", 0)
+    with pytest.raises((ValueError, TypeError), match=message):
+        accelerated.generate(**generate_kwargs, **kwargs)
+
+
+def test_gad_needs_greedy_and_says_so():
+    accelerated, _, _, kwargs = _greedy("bart", 0)
+    with pytest.warns(RuntimeWarning, match="decoding='gad' is greedy decoding"):
+        accelerated.generate(**kwargs, decoding="gad", drafter=_random_drafter(0), do_sample=True)
+
+
+@pytest.mark.parametrize("drafts", ["copy", "nar"])
+def test_rolled_back_cache_is_the_greedy_cache(drafts):
+    """After aggressive decoding, the filled cache positions hold what greedy step-by-step decoding wrote."""
+    accelerated, _, expected, kwargs = _greedy("bart", 5, batch=1, new_tokens=20)
+    decoder = accelerated._lightgen_decoder
+    ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+    with torch.no_grad():
+        encoded = accelerated.get_encoder()(input_ids=ids, attention_mask=mask)[0]
+    start = dict(rows=1, max_len=40, dtype=torch.float32, device="cpu", encoder_hidden=encoded, encoder_mask=mask)
+    greedy_state = decoder.start(**start)
+    with torch.no_grad():
+        for token in expected[0, :-1]:
+            decoder.step(greedy_state, token.view(1, 1))
+    source = ids[0].tolist()
+    session = CopyFromInput([source]) if drafts == "copy" else _random_drafter(5).start([source])
+    state = decoder.start(**start, spare_positions=6)
+    with torch.no_grad():
+        sequences, _ = aggressive_greedy(decoder, state, expected[:, :1], None, session, {2}, 1, expected.shape[1], 6,
+                                         Acceptance())
+    assert torch.equal(sequences, expected)
+    filled = int(state.lengths[0])
+    assert filled == expected.shape[1] - 1 == greedy_state.cache.length
+    torch.testing.assert_close(state.cache.keys[:, :1, :, :filled], greedy_state.cache.keys[:, :1, :, :filled])
+    torch.testing.assert_close(state.cache.values[:, :1, :, :filled], greedy_state.cache.values[:, :1, :, :filled])
+    state.release()
+    greedy_state.release()
+
+
+def _slot_accuracy(drafter, sources, targets, block):
+    session, hits, total = drafter.start(sources), 0, 0
+    for cut in range(1, 6):
+        outputs = [target[:cut] for target in targets]
+        drafts = session.draft(list(range(len(sources))), outputs, [block] * len(sources))
+        for draft, target in zip(drafts, targets, strict=True):
+            expected = target[cut:cut + block]
+            hits += sum(a == b for a, b in zip(draft, expected, strict=False))
+            total += len(expected)
+    return hits / total
+
+
+def test_drafter_training_learns_to_fill_masks_and_round_trips(tmp_path):
+    """train_drafter on a copy task: the trained drafter fills most masked slots; saving keeps it."""
+    gen = torch.Generator().manual_seed(8)
+    sources = [torch.randint(3, VOCAB, (int(torch.randint(5, 12, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(256)]
+    targets = [[2] + source + [2] for source in sources]
+    untrained = _random_drafter(8)
+    trained = train_drafter(copy.deepcopy(untrained), sources, targets, steps=200, batch_size=32, lr=3e-3, warmup=10,
+                            log=lambda line: None)
+    held_sources = sources[:32]  # the task is a rule, so seen sentences measure it as well as new ones
+    before = _slot_accuracy(untrained, held_sources, targets[:32], 4)
+    after = _slot_accuracy(trained, held_sources, targets[:32], 4)
+    assert after > max(0.3, 5 * before), (before, after)  # chance is 1 in 97
+    trained.save_pretrained(tmp_path)
+    loaded = NARDrafter.from_pretrained(tmp_path)
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor.half().float()), name
+
+
+def test_greedy_targets_are_the_verifiers_greedy_sequences():
+    verifier = lightgen.accelerate_model(build("marian", seed=8))
+    sources = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
+    targets = greedy_targets(verifier, sources, pad_token_id=1, batch_size=2, max_length=12)
+    for source, target in zip(sources, targets, strict=True):
+        expected = verifier.generate(input_ids=torch.tensor([source]), max_length=12, do_sample=False)[0].tolist()
+        assert target == expected
+
+
+@pytest.mark.parametrize("family", ["bart", "gpt2"])
+@pytest.mark.parametrize("new_tokens", [3, 7])
+def test_forced_eos_at_max_length_as_in_hf(family, new_tokens):
+    """HF's ForcedEOSTokenLogitsProcessor (BART checkpoints set forced_eos_token_id) stays exact."""
+    accelerated, reference, _, kwargs = _greedy(family, 1, batch=4, new_tokens=new_tokens)
+    kwargs["forced_eos_token_id"] = 2
+    expected = reference.generate(**kwargs)
+    assert (expected[:, -1] == 2).any()
+    assert torch.equal(accelerated.generate(**kwargs, decoding="iad"), expected)
+    assert torch.equal(accelerated.generate(**kwargs, decoding="gad", drafter=_random_drafter(1)), expected)
