@@ -55,7 +55,7 @@ def workdir(tmp_path_factory):
         "--encoder-ffn-embed-dim", "96", "--decoder-ffn-embed-dim", "96", "--encoder-attention-heads", "4",
         "--decoder-attention-heads", "4", "--max-target-positions", "128", "--max-source-positions", "128"])
     torch.manual_seed(0)
-    model = fm.train_reversal(tasks.setup_task(args).build_model(args), steps=60)
+    model = fm.train(tasks.setup_task(args).build_model(args), "reverse", steps=60)
     torch.save({"args": args, "model": model.state_dict(), "extra_state": {"train_iterator": {"epoch": 1}},
                 "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam",
                                        "lr_scheduler_state": {"best": None}, "num_updates": 0}]},
