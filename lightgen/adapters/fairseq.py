@@ -8,6 +8,10 @@ ensembles) while fairseq's own code still makes every decision, so hypotheses an
 fairseq's. The decoding state lives in the ``incremental_state`` dict fairseq creates per
 ``generate`` call, so concurrent calls and ensemble members never share one. The encoder keeps
 fairseq's forward (prefill gains nothing from the decode kernels).
+
+Greedy decoding can also run as input-guided aggressive decoding (``AggressiveGenerator``, the plugin's
+``--lightgen-decoding iad``): there lightgen runs the loop (``generation.aggressive.iad_greedy``) and
+applies greedy's rules to every verified position, so hypotheses and scores are still fairseq's.
 """
 
 from __future__ import annotations
@@ -329,7 +333,8 @@ class AggressiveGenerator:
     totals, which are logged after each batch. Prefix tokens and constraints run the wrapped generator.
 
     ``src_dict``: the source dictionary, when it is not the target's; drafts are source words looked up
-    in the target dictionary.
+    in the target dictionary. Another drafting method (a drafter model) replaces ``draft_sources`` or the
+    ``iad_greedy`` call; the encoder pass, the greedy rules and the hypotheses stay.
     """
 
     def __init__(self, generator: SequenceGenerator, src_dict=None, block_size: int = 16) -> None:
@@ -343,6 +348,7 @@ class AggressiveGenerator:
         self.tgt_dict = generator.tgt_dict
         self.eos = generator.eos
         self.symbols_to_strip_from_output = generator.symbols_to_strip_from_output
+        self.source_pad = (src_dict if src_dict is not None else self.tgt_dict).pad()
         self.source_to_target = None  # [source vocabulary] target ids, when the dictionaries differ
         if src_dict is not None and src_dict.symbols != self.tgt_dict.symbols:
             self.source_to_target = torch.tensor([self.tgt_dict.index(word) for word in src_dict.symbols])
@@ -387,8 +393,9 @@ class AggressiveGenerator:
 
     def draft_sources(self, src_tokens: torch.Tensor) -> list[list[int]]:
         """What each row copies its drafts from: its source sentence (EOS included), in target ids."""
-        tokens = src_tokens if self.source_to_target is None else self.source_to_target[src_tokens.cpu()]
-        return [row[keep].tolist() for row, keep in zip(tokens, src_tokens.ne(self.generator.pad).cpu(), strict=True)]
+        src_tokens = src_tokens.cpu()
+        tokens = src_tokens if self.source_to_target is None else self.source_to_target[src_tokens]
+        return [row[keep].tolist() for row, keep in zip(tokens, src_tokens.ne(self.source_pad), strict=True)]
 
     def _hypotheses(self, sequences, gained, best) -> list[list[dict]]:
         """fairseq's hypothesis dicts. Pass ``i`` decoded, in row order, the rows that had an ``i``-th pass
