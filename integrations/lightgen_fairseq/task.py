@@ -15,19 +15,22 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 import lightgen
 from lightgen import ops
-from lightgen.adapters.fairseq import allow_fairseq_checkpoints, check_supported
+from lightgen.adapters.fairseq import AggressiveGenerator, allow_fairseq_checkpoints, check_supported, iad_unsupported
 
 # fairseq-generate / -interactive load checkpoints after importing --user-dir.
 allow_fairseq_checkpoints()
 
-DECODINGS = ChoiceEnum(["beam", "greedy", "sampling"])
+DECODINGS = ChoiceEnum(["beam", "greedy", "sampling", "iad"])
 
 
 @dataclass
 class TranslationLightgenConfig(TranslationConfig):
     lightgen_decoding: DECODINGS = field(default="beam", metadata={
         "help": "beam: fairseq's generation flags decide (--beam, --sampling, --diverse-beam-groups, ...); "
-                "greedy: beam size 1; sampling: as --sampling (with --sampling-topk/topp, --temperature)"})
+                "greedy: beam size 1; sampling: as --sampling (with --sampling-topk/topp, --temperature); "
+                "iad: greedy's hypotheses by input-guided aggressive decoding (drafts copied from the source)"})
+    lightgen_block_size: int = field(default=16, metadata={
+        "help": "iad: the most draft tokens one decoder pass verifies"})
 
 
 class BeamTopkSearch(search.BeamSearch):
@@ -56,7 +59,8 @@ def _unsupported(args) -> str | None:
 @register_task("translation_lightgen", dataclass=TranslationLightgenConfig)
 class TranslationLightgenTask(TranslationTask):
     """``translation`` whose ``build_generator`` accelerates the models (in place) and uses lightgen's
-    beam selection; flags lightgen does not cover keep fairseq's own generator, with a warning."""
+    beam selection, or IAD for greedy decoding; flags lightgen does not cover keep fairseq's own generator
+    (or, for IAD, plain greedy decoding), with a warning."""
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None):
@@ -76,6 +80,11 @@ class TranslationLightgenTask(TranslationTask):
         generator = super().build_generator(models, args, seq_gen_cls=seq_gen_cls,
                                             extra_gen_cls_kwargs=extra_gen_cls_kwargs,
                                             prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
+        if reason is None and self.cfg.lightgen_decoding == "iad":
+            iad_reason = iad_unsupported(generator)
+            if iad_reason is None:
+                return AggressiveGenerator(generator, self.source_dictionary, self.cfg.lightgen_block_size)
+            warnings.warn(f"lightgen: {iad_reason}; running plain greedy decoding", RuntimeWarning, stacklevel=2)
         if reason is None and type(getattr(generator, "search", None)) is search.BeamSearch:
             generator.search = BeamTopkSearch(self.target_dictionary)
         return generator
@@ -84,12 +93,12 @@ class TranslationLightgenTask(TranslationTask):
         decoding = self.cfg.lightgen_decoding
         if decoding == "beam":
             return args
-        if getattr(args, "sampling", False) and decoding == "greedy":
-            raise ValueError("--lightgen-decoding greedy contradicts --sampling")
+        if getattr(args, "sampling", False) and decoding != "sampling":
+            raise ValueError(f"--lightgen-decoding {decoding} contradicts --sampling")
         args = copy.deepcopy(args)
-        if decoding == "greedy":
+        if decoding in ("greedy", "iad"):
             if getattr(args, "nbest", 1) > 1:
-                raise ValueError(f"--lightgen-decoding greedy returns one hypothesis; got --nbest {args.nbest}")
+                raise ValueError(f"--lightgen-decoding {decoding} returns one hypothesis; got --nbest {args.nbest}")
             args.beam = 1
         else:
             args.sampling = True

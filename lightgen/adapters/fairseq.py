@@ -8,11 +8,19 @@ ensembles) while fairseq's own code still makes every decision, so hypotheses an
 fairseq's. The decoding state lives in the ``incremental_state`` dict fairseq creates per
 ``generate`` call, so concurrent calls and ensemble members never share one. The encoder keeps
 fairseq's forward (prefill gains nothing from the decode kernels).
+
+Greedy decoding can also run as input-guided aggressive decoding (``AggressiveGenerator``, the plugin's
+``--lightgen-decoding iad``): there lightgen runs the loop (``generation.aggressive.iad_greedy``) and
+applies greedy's rules to every verified position, so hypotheses and scores are still fairseq's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
+import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -20,15 +28,20 @@ from torch import nn
 
 from lightgen._compat import check_fairseq_version
 from lightgen.adapters.base import UnsupportedModelError
+from lightgen.generation.aggressive import iad_greedy
 from lightgen.modules.block import BlockSpec
-from lightgen.modules.decoder import AttentionWeights, Decoder, DecoderLayerWeights, DecoderSpec
+from lightgen.modules.decoder import AttentionWeights, DecodeState, Decoder, DecoderLayerWeights, DecoderSpec
 
 check_fairseq_version()
 
+from fairseq import search  # noqa: E402
 from fairseq.hub_utils import GeneratorHubInterface  # noqa: E402
 from fairseq.models.transformer import TransformerDecoderBase  # noqa: E402
 from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding  # noqa: E402
 from fairseq.modules import gelu as fairseq_gelu  # noqa: E402
+from fairseq.sequence_generator import SequenceGenerator  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 STATE_KEY = "lightgen"  # our entry in fairseq's per-call incremental_state dict
 FIRST_CACHE_LEN = 64  # positions; the cache doubles when an output grows past it
@@ -131,17 +144,20 @@ class _StateHolder:
         self.state.release()
 
 
-def _start(decoder_module, tokens, encoder_out) -> _StateHolder:
+def start_decoding(decoder_module, rows: int, encoder_out, max_len: int | None = None,
+                   spare_positions: int = 0) -> tuple[Decoder, DecodeState]:
+    """lightgen's decoder for a fairseq decoder, and a state for ``rows`` rows (one per sentence) over
+    fairseq's encoder output; ``max_len`` positions, or without it a first cache that grows by doubling."""
     _require(encoder_out is not None and len(encoder_out["encoder_out"]) > 0, "decoding without encoder output")
     encoder_hidden = encoder_out["encoder_out"][0].transpose(0, 1)  # fairseq keeps [S, N, E]
     padding = encoder_out["encoder_padding_mask"]
     keep = ~padding[0] if len(padding) > 0 else None
     decoder = build_decoder(decoder_module)
     weight = decoder.spec.token_embedding
-    state = decoder.start(rows=tokens.shape[0], max_len=min(FIRST_CACHE_LEN, decoder.spec.position_limit),
+    state = decoder.start(rows=rows, max_len=max_len or min(FIRST_CACHE_LEN, decoder.spec.position_limit),
                           dtype=weight.dtype, device=weight.device, encoder_hidden=encoder_hidden,
-                          encoder_mask=keep)
-    return _StateHolder(decoder, state)
+                          encoder_mask=keep, spare_positions=spare_positions)
+    return decoder, state
 
 
 def _fast_path(decoder_module, incremental_state, flags) -> bool:
@@ -170,7 +186,8 @@ def decoder_forward(decoder_module, prev_output_tokens, encoder_out=None, increm
             return_all_hiddens=return_all_hiddens)
     holder = incremental_state.get(STATE_KEY)
     if holder is None:
-        holder = incremental_state[STATE_KEY] = _start(decoder_module, prev_output_tokens, encoder_out)
+        holder = incremental_state[STATE_KEY] = _StateHolder(
+            *start_decoding(decoder_module, prev_output_tokens.shape[0], encoder_out))
     decoder, state = holder.decoder, holder.state
     rows, length = prev_output_tokens.shape
     if state.cache.length != length - 1 or state.cache.rows != rows:
@@ -225,3 +242,181 @@ def patch_fairseq(obj, patcher) -> None:
         patcher.set(decoder, "forward", decoder_forward.__get__(decoder))
         patcher.set(decoder, "reorder_incremental_state_scripting", decoder_reorder.__get__(decoder))
         patcher.patched.append(f"{type(model).__name__}.decoder: incremental steps on lightgen's static-cache decoder")
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy decoding by input-guided aggressive decoding (IAD), with fairseq's hypotheses
+
+
+def iad_unsupported(generator) -> str | None:
+    """Why IAD cannot reproduce this ``SequenceGenerator``'s output, or None when it can."""
+    if type(generator) is not SequenceGenerator:
+        return f"IAD replaces fairseq's SequenceGenerator, not {type(generator).__name__}"
+    if type(generator.search) is not search.BeamSearch or generator.beam_size != 1:
+        return "IAD is greedy decoding: beam size 1, no sampling or constrained/diverse search"
+    if generator.model.models_size != 1:
+        return "IAD runs one model, not an ensemble"
+    for setting, name in ((generator.repeat_ngram_blocker, "--no-repeat-ngram-size"),
+                          (generator.lm_model, "a language model (--lm-path)"),
+                          (generator.token_indices_to_suppress, "suppressed tokens")):
+        if setting is not None:
+            return f"IAD does not implement {name}"
+    if generator.match_source_len:
+        return "IAD does not implement --match-source-len"
+    try:
+        check_decoder(generator.model.single_model.decoder)
+    except UnsupportedModelError as error:
+        return str(error)
+    return None
+
+
+class _FairseqGreedyScores:
+    """lightgen's decoder as fairseq's greedy search sees it: ``step`` returns, for every position, the
+    log-probabilities ``SequenceGenerator`` compares (temperature, pad never chosen, unk penalty, EOS
+    blocked before ``min_len`` and forced at ``max_len``), so their argmax is fairseq's choice. Each pass's
+    best score per row and position is kept: it is the positional score of the token greedy picks there."""
+
+    def __init__(self, decoder: Decoder, generator, max_len: int) -> None:
+        self.decoder = decoder
+        self.spec = decoder.spec
+        self.generator = generator
+        self.max_len = max_len
+        self.best: list[torch.Tensor] = []  # per pass: [rows decoding in that pass, positions fed]
+
+    def step(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+             all_positions: bool = False) -> torch.Tensor:
+        if positions is None:
+            positions = state.next_position[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
+        logits = self.decoder.step(state, tokens, positions, all_positions)
+        if not all_positions:
+            logits, positions = logits[:, None], positions[:, -1:]
+        gen = self.generator
+        # The position of the token fed is fairseq's `step` for the token predicted after it.
+        lprobs = torch.log_softmax(logits / gen.temperature, dim=-1)
+        lprobs.masked_fill_(lprobs.isnan(), -math.inf)
+        lprobs[..., gen.pad] = -math.inf
+        lprobs[..., gen.unk] -= gen.unk_penalty
+        eos = lprobs[..., gen.eos].clone()
+        lprobs.masked_fill_((positions >= self.max_len)[..., None], -math.inf)
+        lprobs[..., gen.eos] = eos.masked_fill(positions < gen.min_len, -math.inf)
+        self.best.append(lprobs.max(-1).values)
+        return lprobs if all_positions else lprobs[:, 0]
+
+
+@dataclasses.dataclass
+class AggressiveStats:
+    """Running totals of an ``AggressiveGenerator``: decoder passes (the prompt pass included) and the
+    tokens they produced (EOS included; plain greedy needs one pass per token)."""
+
+    sentences: int = 0
+    passes: int = 0
+    tokens: int = 0
+
+    def add(self, gained: list[list[int]]) -> None:
+        self.sentences += len(gained)
+        self.passes += sum(len(row) for row in gained)
+        self.tokens += sum(sum(row) for row in gained)
+
+    def __str__(self) -> str:
+        return (f"{self.sentences} sentences, {self.passes / max(self.sentences, 1):.2f} decoder passes per sentence, "
+                f"{self.tokens / max(self.passes, 1):.2f} tokens per pass")
+
+
+class AggressiveGenerator:
+    """fairseq greedy decoding by input-guided aggressive decoding (IAD) on lightgen's decoder.
+
+    Wraps a beam-1 ``SequenceGenerator`` (see ``iad_unsupported``) and returns the hypotheses it would:
+    each row drafts up to ``block_size`` tokens copied from its source sentence, one decoder pass verifies
+    them against fairseq's greedy choice (``_FairseqGreedyScores``), and the row keeps the agreeing prefix
+    plus the verifier's own token. Scores come from the verifying passes. Each hypothesis also carries
+    ``iterations`` (its sentence's decoder passes) and ``tokens_per_iteration``; ``stats`` keeps running
+    totals, which are logged after each batch. Prefix tokens and constraints run the wrapped generator.
+
+    ``src_dict``: the source dictionary, when it is not the target's; drafts are source words looked up
+    in the target dictionary. Another drafting method (a drafter model) replaces ``draft_sources`` or the
+    ``iad_greedy`` call; the encoder pass, the greedy rules and the hypotheses stay.
+    """
+
+    def __init__(self, generator: SequenceGenerator, src_dict=None, block_size: int = 16) -> None:
+        reason = iad_unsupported(generator)
+        if reason is not None:
+            raise ValueError(f"lightgen: {reason}")
+        if block_size < 1:
+            raise ValueError(f"lightgen: the IAD block size must be >= 1, got {block_size}")
+        self.generator = generator
+        self.block_size = block_size
+        self.tgt_dict = generator.tgt_dict
+        self.eos = generator.eos
+        self.symbols_to_strip_from_output = generator.symbols_to_strip_from_output
+        self.source_pad = (src_dict if src_dict is not None else self.tgt_dict).pad()
+        self.source_to_target = None  # [source vocabulary] target ids, when the dictionaries differ
+        if src_dict is not None and src_dict.symbols != self.tgt_dict.symbols:
+            self.source_to_target = torch.tensor([self.tgt_dict.index(word) for word in src_dict.symbols])
+        self.stats = AggressiveStats()
+        self._warned = False
+
+    @torch.no_grad()
+    def generate(self, models, sample, prefix_tokens=None, constraints=None, bos_token=None):
+        """``SequenceGenerator.generate``: per sentence, a list with its one hypothesis."""
+        if prefix_tokens is not None or constraints is not None:
+            if not self._warned:
+                warnings.warn("lightgen: IAD does not implement prefix tokens or constraints; running fairseq "
+                              "greedy", RuntimeWarning, stacklevel=2)
+                self._warned = True
+            return self.generator.generate(models, sample, prefix_tokens=prefix_tokens, constraints=constraints,
+                                           bos_token=bos_token)
+        gen = self.generator
+        net_input = sample["net_input"]
+        src_tokens = net_input["src_tokens"]
+        rows, src_len = src_tokens.shape[:2]
+        max_len = min(int(gen.max_len_a * src_len + gen.max_len_b), gen.max_len - 1)
+        if gen.min_len > max_len:
+            raise ValueError("min_len cannot be larger than max_len, please adjust these!")
+        encoder_out = gen.model.forward_encoder(net_input)[0]
+        # Fed tokens: BOS and up to max_len outputs (the last EOS is never fed); drafts pad up to block_size.
+        decoder, state = start_decoding(gen.model.single_model.decoder, rows, encoder_out, max_len + 1,
+                                        self.block_size)
+        scoring = _FairseqGreedyScores(decoder, gen, max_len)
+        prompt = torch.full((rows, 1), self.eos if bos_token is None else bos_token, dtype=torch.long,
+                            device=src_tokens.device)
+        try:
+            sequences, gained = iad_greedy(scoring, state, prompt, prompt_positions=None,
+                                           sources=self.draft_sources(src_tokens), eos_ids={self.eos},
+                                           pad_token_id=gen.pad, max_length=max_len + 2, max_draft=self.block_size)
+        finally:
+            state.release()
+        batch = AggressiveStats()
+        batch.add(gained)
+        self.stats.add(gained)
+        logger.info("lightgen IAD: %s (all so far: %s)", batch, self.stats)
+        return self._hypotheses(sequences, gained, scoring.best)
+
+    def draft_sources(self, src_tokens: torch.Tensor) -> list[list[int]]:
+        """What each row copies its drafts from: its source sentence (EOS included), in target ids."""
+        src_tokens = src_tokens.cpu()
+        tokens = src_tokens if self.source_to_target is None else self.source_to_target[src_tokens]
+        return [row[keep].tolist() for row, keep in zip(tokens, src_tokens.ne(self.source_pad), strict=True)]
+
+    def _hypotheses(self, sequences, gained, best) -> list[list[dict]]:
+        """fairseq's hypothesis dicts. Pass ``i`` decoded, in row order, the rows that had an ``i``-th pass
+        (finished rows leave ``iad_greedy``'s batch); each row's tokens from a pass are its first positions."""
+        if len(best) != max(len(row) for row in gained):
+            raise RuntimeError(f"lightgen: {len(best)} decoder passes for IAD's {max(map(len, gained))} iterations")
+        positional = [[] for _ in gained]
+        for index, scores in enumerate(best):
+            live = [row for row, passes in enumerate(gained) if len(passes) > index]
+            for slot, row in enumerate(live):
+                positional[row].append(scores[slot, : gained[row][index]])
+        gen, hypotheses = self.generator, []
+        for row, passes in enumerate(gained):
+            length = sum(passes)
+            scores = torch.cat(positional[row])
+            score = scores.sum()
+            if gen.normalize_scores:
+                score = score / length ** gen.len_penalty
+            hypotheses.append([{
+                "tokens": sequences[row, 1: 1 + length], "score": score, "attention": torch.empty(0),
+                "alignment": torch.empty(0), "positional_scores": scores, "iterations": len(passes),
+                "tokens_per_iteration": torch.tensor(passes),
+            }])
+        return hypotheses

@@ -114,6 +114,8 @@ class DecodeState:
         if self.expand != 1:
             raise ValueError("finished rows can only be dropped with one decoder row per sentence")
         self.reorder(rows)
+        # Rows' lengths differ after a rollback: the longest may have left.
+        self.cache.length = int(self.lengths.max())
         self.cross_keys = [keys.index_select(0, rows) for keys in self.cross_keys]
         self.cross_values = [values.index_select(0, rows) for values in self.cross_values]
         if self.encoder_keep is not None:

@@ -3,6 +3,7 @@
 and the hub interface (``TransformerModel.from_pretrained``) accelerated in Python."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +56,8 @@ def workdir(tmp_path_factory):
         "--encoder-ffn-embed-dim", "96", "--decoder-ffn-embed-dim", "96", "--encoder-attention-heads", "4",
         "--decoder-attention-heads", "4", "--max-target-positions", "128", "--max-source-positions", "128"])
     torch.manual_seed(0)
-    model = fm.train_reversal(tasks.setup_task(args).build_model(args), steps=60)
+    # Copying with edits: IAD's drafts are accepted, and outputs end at varied lengths.
+    model = fm.train(tasks.setup_task(args).build_model(args), "edit", steps=fm.COPY_STEPS)
     torch.save({"args": args, "model": model.state_dict(), "extra_state": {"train_iterator": {"epoch": 1}},
                 "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam",
                                        "lr_scheduler_state": {"best": None}, "num_updates": 0}]},
@@ -126,6 +128,23 @@ def test_generate_same_lines(workdir, flags):
     got, _ = _run(workdir, "generate", flags, plugin=True)
     assert_same_output(expected, got)
     assert _finished_early(got), "every hypothesis ran to the length limit: EOS handling was not exercised"
+
+
+@pytest.mark.parametrize("tool, flags", [
+    ("interactive", ["--buffer-size", "6", "--batch-size", "6"]),
+    ("generate", ["--batch-size", "7", "--max-len-a", "1", "--max-len-b", "1"]),
+])
+def test_iad_same_lines_as_fairseq_greedy(workdir, tool, flags):
+    text = "\n".join(_lines(12, 2)) + "\n" if tool == "interactive" else None
+    expected, _ = _run(workdir, tool, ["--beam", "1", *flags], plugin=False, stdin=text)
+    got, stderr = _run(workdir, tool, ["--lightgen-decoding", "iad", "--lightgen-block-size", "4", *flags],
+                       plugin=True, stdin=text)
+    assert "running" not in stderr  # no fallback
+    assert_same_output(expected, got)
+    # The last batch's log line ends with the totals: drafts were accepted.
+    totals = re.findall(r"all so far: (\d+) sentences, [\d.]+ decoder passes per sentence, ([\d.]+) tokens per pass",
+                        stderr)[-1]
+    assert int(totals[0]) == sum(line.startswith("H-") for line in got) and float(totals[1]) > 1.2
 
 
 def test_unsupported_flag_falls_back_with_a_warning(workdir):

@@ -1,0 +1,137 @@
+"""IAD for fairseq (``AggressiveGenerator``) vs fairseq's own greedy ``SequenceGenerator`` (beam 1):
+identical hypotheses, scores within fp32 rounding, over seeds, batch sizes, paddings, block sizes and
+length settings, on random models (drafts rejected) and on a model trained to copy with edits (drafts
+accepted: outputs longer and shorter than their inputs, repeated n-grams, one-word inputs)."""
+
+import os
+
+import pytest
+import torch
+
+if not os.environ.get("CI"):  # CI installs fairseq (README test command); a skip there would hide a defect
+    pytest.importorskip("fairseq", reason="fairseq not installed: pip install -e '.[fairseq]' && "
+                                          "lightgen install-fairseq")
+
+import fairseq_models as fm  # noqa: E402
+from fairseq import search  # noqa: E402
+from fairseq.data import Dictionary  # noqa: E402
+from test_fairseq_api import VARIANTS, assert_same_hypotheses  # noqa: E402
+
+import lightgen  # noqa: E402
+from lightgen.adapters.fairseq import AggressiveGenerator, iad_unsupported  # noqa: E402
+
+pytestmark = pytest.mark.fairseq
+
+# Sentences drafting has to get right: one word, repeated n-grams (ambiguous anchors), w1 (doubled by
+# the copy-edit model: output longer than the input), w2 (dropped: shorter), and plain copies.
+SENTENCES = ["w3", "w3 w4 w3 w4 w3 w4", "w1 w1 w5 w1", "w2 w2 w6", "w0 w7 w6 w5 w4 w3 w0 w7 w6 w5", "w2",
+             "w4 w1 w2 w3 w4 w1 w2 w3", "w5 w5 w5 w5 w5 w5 w5 w5 w5 w5 w5 w5", "w0 w3 w4 w5 w6 w7",
+             "w7 w6 w5 w4 w3", "w3 w1 w0 w5 w7 w4", "w4 w2 w5 w6 w0", "w6 w0 w3 w7 w5 w4 w1"]
+
+SETTINGS = [
+    dict(),
+    dict(max_len_a=0, max_len_b=4),  # EOS forced in the middle of accepted drafts
+    dict(min_len=9, unk_penalty=-1.0),  # EOS blocked, unk preferred
+    dict(len_penalty=0.6, temperature=0.7),
+    dict(normalize_scores=False, max_len_a=1.5, max_len_b=0),
+]
+
+
+@pytest.fixture(scope="module")
+def copy_model():
+    return fm.train(fm.build(0), "edit", steps=fm.COPY_STEPS)
+
+
+def _batch(vocab: Dictionary, sentences: list[str]) -> dict:
+    """Left-padded sources ending in EOS, as fairseq's translation task collates them."""
+    rows = [[vocab.index(word) for word in sentence.split()] + [vocab.eos()] for sentence in sentences]
+    tokens = torch.full((len(rows), max(map(len, rows))), vocab.pad())
+    for index, row in enumerate(rows):
+        tokens[index, tokens.shape[1] - len(row):] = torch.tensor(row)
+    return {"net_input": {"src_tokens": tokens, "src_lengths": torch.tensor([len(row) for row in rows])}}
+
+
+def _both(model, sample, block_size=4, **settings):
+    settings.setdefault("max_len_b", 20)
+    vocab = fm.dictionary()
+    greedy = fm.generator([model], vocab, beam_size=1, **settings)
+    iad = AggressiveGenerator(fm.generator([model], vocab, beam_size=1, **settings), block_size=block_size)
+    return greedy.generate([model], sample), iad.generate([model], sample), iad
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "default")
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_copy_model_same_hypotheses_as_greedy(copy_model, settings, block_size):
+    sample = _batch(fm.dictionary(), SENTENCES)
+    expected, got, iad = _both(copy_model, sample, block_size, **settings)
+    assert_same_hypotheses(expected, got)
+    if block_size > 1 and not settings:  # drafts were accepted, and not always whole
+        assert iad.stats.tokens > 1.2 * iad.stats.passes
+        assert any(1 < gained < block_size + 1 for hypos in got for gained in hypos[0]["tokens_per_iteration"])
+
+
+@pytest.mark.parametrize("seed, batch, length, variant", [
+    (0, 1, 5, "post-norm"), (1, 3, 9, "pre-norm"), (2, 6, 12, "post-norm"), (3, 9, 4, "pre-norm"),
+])
+def test_random_models_same_hypotheses_as_greedy(seed, batch, length, variant, step_counter):
+    model = fm.build(seed, **VARIANTS[variant])
+    lightgen.accelerate_model(model)  # the packed LM head, as in the plugin
+    sample = fm.source_batch(fm.dictionary(), batch, length, seed)
+    for settings in SETTINGS[:3]:
+        expected, got, _ = _both(model, sample, **settings)
+        assert_same_hypotheses(expected, got)
+    assert step_counter
+
+
+def test_statistics_count_passes_and_tokens(copy_model):
+    sample = _batch(fm.dictionary(), SENTENCES)
+    _, got, iad = _both(copy_model, sample, block_size=8)
+    for hypos in got:
+        hypo = hypos[0]
+        assert hypo["iterations"] == len(hypo["tokens_per_iteration"])
+        assert int(hypo["tokens_per_iteration"].sum()) == len(hypo["tokens"])
+    assert iad.stats.sentences == len(SENTENCES)
+    assert iad.stats.passes == sum(hypos[0]["iterations"] for hypos in got)
+    assert iad.stats.tokens == sum(len(hypos[0]["tokens"]) for hypos in got)
+    iad.generate([copy_model], sample)
+    assert iad.stats.sentences == 2 * len(SENTENCES)
+
+
+def test_drafts_are_source_words_in_target_ids():
+    target = fm.dictionary()
+    source = Dictionary()
+    for index in reversed(range(fm.WORDS)):
+        source.add_symbol(f"w{index}")
+    source.add_symbol("only-in-source")
+    iad = AggressiveGenerator(fm.generator([fm.build(0)], target, beam_size=1), src_dict=source)
+    sample = _batch(source, ["w3 w1", "only-in-source w0 w7"])
+    assert iad.draft_sources(sample["net_input"]["src_tokens"]) == [
+        [target.index("w3"), target.index("w1"), target.eos()],
+        [target.unk(), target.index("w0"), target.index("w7"), target.eos()]]
+
+
+def test_prefix_tokens_run_fairseq_greedy_with_one_warning(copy_model):
+    vocab = fm.dictionary()
+    sample = _batch(vocab, SENTENCES[:3])
+    prefix = torch.tensor([[4], [5], [6]])
+    expected = fm.generator([copy_model], vocab, beam_size=1, max_len_b=20).generate(
+        [copy_model], sample, prefix_tokens=prefix)
+    iad = AggressiveGenerator(fm.generator([copy_model], vocab, beam_size=1, max_len_b=20))
+    with pytest.warns(RuntimeWarning, match="prefix tokens or constraints"):
+        assert_same_hypotheses(expected, iad.generate([copy_model], sample, prefix_tokens=prefix))
+    assert iad.stats.sentences == 0
+
+
+@pytest.mark.parametrize("settings, reason", [
+    (dict(beam_size=2), "beam size 1"),
+    (dict(beam_size=1, search_strategy=search.Sampling(fm.dictionary())), "beam size 1"),
+    (dict(beam_size=1, no_repeat_ngram_size=2), "--no-repeat-ngram-size"),
+    (dict(beam_size=1, match_source_len=True), "--match-source-len"),
+])
+def test_settings_iad_cannot_reproduce_are_named(settings, reason):
+    model = fm.build(0)
+    generator = fm.generator([model], fm.dictionary(), **settings)
+    assert reason in iad_unsupported(generator)
+    with pytest.raises(ValueError, match=reason):
+        AggressiveGenerator(generator)
+    assert "ensemble" in iad_unsupported(fm.generator([model, fm.build(1)], fm.dictionary(), beam_size=1))
