@@ -1,14 +1,15 @@
-"""Benchmark input-guided aggressive decoding (IAD) against greedy on the shipped demo model.
+"""Benchmark aggressive decoding (IAD, GAD, GAD++) against greedy and beam search on the shipped demo model.
 
     python benchmarks/aggressive.py [--quick] [--out benchmarks/results]
 
 The demo grammar corrector (``lightgen.demo``) corrects held-out sentences with synthetic errors at
-batch 1 and 8: Hugging Face greedy (the unpatched model), lightgen greedy and lightgen IAD (a deep
-copy after ``lightgen.accelerate_model``). Every provider's tokens are checked against HF greedy
-first. Reports generated tokens/s, the ratio to HF greedy, IAD's tokens per decoder pass and, per
-sentence at batch 1, IAD's speedup over lightgen greedy against the share of words the model edits.
-Prints markdown tables and writes <out>/aggressive.json and (with matplotlib) <out>/aggressive.png.
-GAD (a drafter for outputs that do not resemble the input) is not implemented yet.
+batch 1, 8 and 32: Hugging Face greedy and beam 5 (the unpatched model), HF prompt lookup (batch 1:
+HF refuses more), lightgen greedy, IAD, GAD with the shipped drafter (beta=1) and GAD++ (a deep copy
+after ``lightgen.accelerate_model``). Greedy-exact providers are checked against HF greedy before
+timing. Reports each call's time and the ratio to HF greedy, tokens per decoder pass, the share of
+sentences identical to greedy and F0.5 against the references, and, per sentence at batch 1, IAD's
+speedup over lightgen greedy against the share of words the model edits. Prints markdown tables and
+writes <out>/aggressive.json and (with matplotlib) <out>/aggressive.png.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import warnings
 import torch
 
 import lightgen
-from lightgen.demo import generate_ids, held_out_pairs, load_demo_model
-from lightgen.demo.noise import edits, words
+from lightgen.demo import generate_ids, held_out_pairs, load_demo_drafter, load_demo_model
+from lightgen.demo.noise import edits, score, words
 
 from _common import (ContentionMeter, Sampling, format_speedup, hardware_title, machine_lines, measure, start_run,
                      write_results)
@@ -33,17 +34,43 @@ from _common import (ContentionMeter, Sampling, format_speedup, hardware_title, 
 @dataclasses.dataclass(frozen=True)
 class Settings(Sampling):
     sentences: int  # held-out sentences corrected per call
+    batch_sizes: tuple[int, ...]
     per_sentence: int  # sentences timed one by one for the speedup-vs-edits plot
     per_sentence_repeats: int
 
 
 # One call corrects every sentence (0.2-5 s), so a sample is a single call.
-FULL = Settings(samples=5, min_sample_s=0.0, max_measure_s=20.0, min_samples=3, warmup_calls=1, sentences=32,
-                per_sentence=32, per_sentence_repeats=3)
-QUICK = Settings(samples=3, min_sample_s=0.0, max_measure_s=3.0, min_samples=2, warmup_calls=1, sentences=16,
-                 per_sentence=16, per_sentence_repeats=1)
-BATCH_SIZES = (1, 8)
-HF_GREEDY, LG_GREEDY, LG_IAD = "HF greedy", "lightgen greedy", "lightgen IAD"
+FULL = Settings(samples=5, min_sample_s=0.0, max_measure_s=30.0, min_samples=3, warmup_calls=1, sentences=64,
+                batch_sizes=(1, 8, 32), per_sentence=48, per_sentence_repeats=3)
+QUICK = Settings(samples=2, min_sample_s=0.0, max_measure_s=3.0, min_samples=2, warmup_calls=0, sentences=8,
+                 batch_sizes=(1, 8), per_sentence=4, per_sentence_repeats=1)
+HF_GREEDY, HF_BEAM, HF_LOOKUP = "HF greedy", "HF beam 5", "HF prompt lookup"
+LG_GREEDY, LG_IAD, LG_GAD, LG_GAD_PP = "lightgen greedy", "lightgen IAD", "lightgen GAD", "lightgen GAD++"
+GAD_PP = dict(beta=3, tau=1.0)
+BLOCK_SIZE = 8
+# These must return HF greedy's tokens; the rest report how often they do.
+GREEDY_EXACT = (HF_LOOKUP, LG_GREEDY, LG_IAD, LG_GAD)
+
+
+def providers(reference, accelerated, drafter, batch: int) -> dict[str, tuple[object, dict]]:
+    found = {HF_GREEDY: (reference, {}), HF_BEAM: (reference, dict(num_beams=5))}
+    if batch == 1:  # "assisted generate is only supported for batch_size = 1"
+        found[HF_LOOKUP] = (reference, dict(prompt_lookup_num_tokens=10))
+    found.update({LG_GREEDY: (accelerated, {}), LG_IAD: (accelerated, dict(decoding="iad")),
+                  LG_GAD: (accelerated, dict(decoding="gad", drafter=drafter, block_size=BLOCK_SIZE)),
+                  LG_GAD_PP: (accelerated, dict(decoding="gad", drafter=drafter, block_size=BLOCK_SIZE, **GAD_PP))})
+    return found
+
+
+def _tokens_per_pass(accelerated, tokenizer, sources, batch, kwargs) -> float:
+    tokens = passes = 0
+    for i in range(0, len(sources), batch):
+        with torch.no_grad():
+            out = accelerated.generate(**tokenizer(sources[i:i + batch], return_tensors="pt", padding=True),
+                                       do_sample=False, max_length=128, return_dict_in_generate=True, **kwargs)
+        tokens += sum(int(row.sum()) for row in out.tokens_per_iteration)
+        passes += int(out.iterations.sum())
+    return tokens / passes
 
 
 def _per_sentence(accelerated, tokenizer, sources, greedy_ids, settings) -> list[dict]:
@@ -69,16 +96,18 @@ def _per_sentence(accelerated, tokenizer, sources, greedy_ids, settings) -> list
 
 
 def draw(plt, payload):
-    fig, (bars, scatter) = plt.subplots(1, 2, figsize=(12, 4.8))
-    width = 0.25
-    for offset, name in enumerate((HF_GREEDY, LG_GREEDY, LG_IAD)):
-        values = [payload["batches"][str(b)]["tokens_per_s"][name] for b in BATCH_SIZES]
-        xs = [i + (offset - 1) * width for i in range(len(BATCH_SIZES))]
+    fig, (bars, scatter) = plt.subplots(1, 2, figsize=(13, 4.8))
+    names = list(payload["batches"][str(payload["batch_sizes"][0])]["speedup"])
+    width = 0.8 / len(names)
+    for offset, name in enumerate(names):
+        values = [payload["batches"][str(b)]["speedup"].get(name, 0.0) for b in payload["batch_sizes"]]
+        xs = [i + (offset - (len(names) - 1) / 2) * width for i in range(len(payload["batch_sizes"]))]
         bars.bar(xs, values, width, label=name)
-    bars.set_xticks(range(len(BATCH_SIZES)), [f"batch {b}" for b in BATCH_SIZES])
-    bars.set_ylabel("generated tokens / s")
-    bars.set_title("Demo grammar corrector: throughput")
-    bars.legend()
+    bars.set_xticks(range(len(payload["batch_sizes"])), [f"batch {b}" for b in payload["batch_sizes"]])
+    bars.axhline(1.0, color="grey", lw=0.8)
+    bars.set_ylabel("speedup over HF greedy (×, wall time)")
+    bars.set_title("Demo grammar corrector: speed")
+    bars.legend(fontsize=7)
     points = payload["per_sentence"]
     scatter.scatter([100 * p["edit_rate"] for p in points], [p["speedup"] for p in points], s=14)
     scatter.axhline(1.0, color="grey", lw=0.8)
@@ -90,49 +119,51 @@ def draw(plt, payload):
 
 
 def main(argv: list[str] | None = None) -> None:
-    args, env = start_run(__doc__, "aggressive", "16 sentences, fewer samples", argv)
+    args, env = start_run(__doc__, "aggressive", "8 sentences, batch 1 and 8, fewer samples", argv)
     settings = QUICK if args.quick else FULL
     warnings.filterwarnings("ignore", category=UserWarning)
     reference, tokenizer = load_demo_model()
     accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
-    sources, _ = held_out_pairs(settings.sentences)
-    providers = {HF_GREEDY: (reference, {}), LG_GREEDY: (accelerated, {}), LG_IAD: (accelerated, dict(decoding="iad"))}
+    drafter = load_demo_drafter()
+    sources, references = held_out_pairs(settings.sentences)
     meter = ContentionMeter()
     batches = {}
     greedy_ids = None
-    for batch in BATCH_SIZES:
-        outputs = {name: generate_ids(model, tokenizer, sources, batch, **kw)
-                   for name, (model, kw) in providers.items()}
+    for batch in settings.batch_sizes:
+        chosen = providers(reference, accelerated, drafter, batch)
+        outputs = {name: generate_ids(model, tokenizer, sources, batch, **kw) for name, (model, kw) in chosen.items()}
         greedy_ids = outputs[HF_GREEDY]
-        mismatched = [name for name, ids in outputs.items() if ids != greedy_ids]
+        mismatched = [name for name in GREEDY_EXACT if name in outputs and outputs[name] != greedy_ids]
         if mismatched:
             sys.exit(f"batch {batch}: {mismatched} differ from HF greedy; not timing wrong outputs")
-        tokens = sum(len(ids) + 1 for ids in greedy_ids)  # + EOS
         timings = measure({name: lambda m=model, kw=kw, b=batch: generate_ids(m, tokenizer, sources, b, **kw)
-                           for name, (model, kw) in providers.items()}, settings)
-        stats = [accelerated.generate(**tokenizer(sources[i:i + batch], return_tensors="pt", padding=True),
-                                      do_sample=False, max_length=128, decoding="iad", return_dict_in_generate=True)
-                 for i in range(0, len(sources), batch)]
-        passes = sum(int(s.iterations.sum()) for s in stats)
+                           for name, (model, kw) in chosen.items()}, settings)
         batches[str(batch)] = dict(
-            tokens_per_s={name: tokens / (t.median_us * 1e-6) for name, t in timings.items()},
             median_ms={name: t.median_us / 1e3 for name, t in timings.items()},
+            speedup={name: timings[HF_GREEDY].median_us / t.median_us for name, t in timings.items()},
             noisy={name: t.noisy for name, t in timings.items()},
-            iad_tokens_per_pass=tokens / passes)
+            identical_to_greedy={name: sum(a == b for a, b in zip(ids, greedy_ids, strict=True)) / len(sources)
+                                 for name, ids in outputs.items()},
+            f0_5={name: score(sources, [tokenizer.decode(i).strip() for i in ids], references)["f0_5"]
+                  for name, ids in outputs.items()},
+            tokens_per_pass={name: _tokens_per_pass(accelerated, tokenizer, sources, batch, kw)
+                             for name, (model, kw) in chosen.items() if "decoding" in kw})
     per_sentence = _per_sentence(accelerated, tokenizer, sources, greedy_ids, settings)
     meter.record(env)
-    payload = dict(environment=env, sentences=len(sources), batches=batches, per_sentence=per_sentence)
+    payload = dict(environment=env, sentences=len(sources), batch_sizes=list(settings.batch_sizes), batches=batches,
+                   per_sentence=per_sentence, gad_block_size=BLOCK_SIZE, gad_plus_plus=GAD_PP)
 
-    print(f"# IAD vs greedy on the demo grammar corrector ({len(sources)} held-out sentences)\n")
+    print(f"# Aggressive decoding on the demo grammar corrector ({len(sources)} held-out sentences)\n")
     print("\n".join(machine_lines(env)) + "\n")
-    print("| batch | HF greedy tok/s | lightgen greedy tok/s | lightgen IAD tok/s | IAD vs HF greedy "
-          "| IAD vs lightgen greedy | IAD tokens/pass |")
+    print(f"GAD: shipped drafter, block {BLOCK_SIZE}; GAD++: beta={GAD_PP['beta']}, tau={GAD_PP['tau']}.\n")
+    print("| batch | provider | ms per call | vs HF greedy | tokens/pass | identical to greedy | F0.5 |")
     print("|---|---|---|---|---|---|---|")
     for batch, row in batches.items():
-        rate = row["tokens_per_s"]
-        print(f"| {batch} | {rate[HF_GREEDY]:.0f} | {rate[LG_GREEDY]:.0f} | {rate[LG_IAD]:.0f} "
-              f"| {format_speedup(rate[LG_IAD] / rate[HF_GREEDY])} | {format_speedup(rate[LG_IAD] / rate[LG_GREEDY])} "
-              f"| {row['iad_tokens_per_pass']:.2f} |")
+        for name, ms in row["median_ms"].items():
+            per_pass = row["tokens_per_pass"].get(name)
+            print(f"| {batch} | {name} | {ms:.0f}{' (noisy)' if row['noisy'][name] else ''} "
+                  f"| {format_speedup(row['speedup'][name])} | {'' if per_pass is None else f'{per_pass:.2f}'} "
+                  f"| {100 * row['identical_to_greedy'][name]:.0f}% | {row['f0_5'][name]:.3f} |")
     write_results(args.out, "aggressive", payload, lambda plt: draw(plt, payload))
 
 

@@ -1,5 +1,6 @@
 """``lightgen`` command line: ``env`` (kernel report), ``demo`` (the shipped grammar corrector, HF vs
-lightgen) and ``install-fairseq`` (the tested fairseq, for ``lightgen[fairseq]``)."""
+lightgen), ``install-fairseq`` (the tested fairseq, for ``lightgen[fairseq]``) and ``train-drafter``
+(a GAD drafter distilled from a verifier)."""
 
 from __future__ import annotations
 
@@ -76,7 +77,11 @@ def main(argv=None) -> None:
     demo_parser.add_argument("--src-len", type=int, default=32, help="--random-model only")
     demo_parser.add_argument("--new-tokens", type=int, default=24, help="--random-model only")
     commands.add_parser("install-fairseq", help="install the tested fairseq (after pip install 'lightgen[fairseq]')")
-    args = parser.parse_args(argv)
+    commands.add_parser("train-drafter", add_help=False,
+                        help="distil a GAD drafter for a verifier (lightgen train-drafter --help)")
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "train-drafter":  # whose options its own parser reads
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     for name in ("sentences", "batch", "repeats", "layers", "src_len", "new_tokens"):
         if getattr(args, name, 1) < (0 if name == "sentences" else 1):
             parser.error(f"--{name.replace('_', '-')} must be positive")
@@ -86,6 +91,10 @@ def main(argv=None) -> None:
         env_main()
     elif args.command == "install-fairseq":
         install_fairseq()
+    elif args.command == "train-drafter":
+        from lightgen.drafting import main as train_drafter_main
+
+        train_drafter_main(rest)
     elif args.random_model:
         random_model_demo(args.layers, args.batch, args.src_len, args.new_tokens, args.repeats)
     else:

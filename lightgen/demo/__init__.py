@@ -13,7 +13,7 @@ import zlib
 from pathlib import Path
 
 MODEL_DIR = Path(__file__).resolve().parent / "model"
-DRAFTER_DIR = Path(__file__).resolve().parent / "drafter"  # its GAD drafter: python -m lightgen.drafting
+DRAFTER_DIR = Path(__file__).resolve().parent / "drafter"  # its GAD drafter: lightgen train-drafter
 CORPUS = Path(__file__).resolve().parent / "data" / "sentences.txt.gz"
 HELD_OUT_EVERY = 40  # one sentence in 40 (by a hash of its text) never reaches training
 

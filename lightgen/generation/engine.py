@@ -69,11 +69,11 @@ class UnsupportedGenerateArgument(ValueError):
     """LIGHTGEN_STRICT=1 and a generate() argument lightgen's engine does not implement."""
 
 
-def _fall_back(reason: str) -> None:
+def _fall_back(reason: str, instead: str = "Hugging Face's own generate loop") -> None:
     if _build.strict():
-        raise UnsupportedGenerateArgument(f"lightgen generate: {reason} (LIGHTGEN_STRICT=1 forbids HF's fallback)")
-    warnings.warn(f"lightgen generate: {reason}; running Hugging Face's own generate loop instead",
-                  RuntimeWarning, stacklevel=4)
+        raise UnsupportedGenerateArgument(f"lightgen generate: {reason} (LIGHTGEN_STRICT=1 forbids the fallback to "
+                                          f"{instead})")
+    warnings.warn(f"lightgen generate: {reason}; running {instead} instead", RuntimeWarning, stacklevel=4)
 
 
 def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, *, decoding: str = "auto",
@@ -90,6 +90,9 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     ``lightgen.drafting``): the same tokens as greedy with ``beta=1``; GAD++ (``beta`` > 1) also
     accepts a drafted token among the verifier's top-``beta`` within ``tau`` of the top-1's log-probability.
     """
+    if kwargs.get("assistant_model") is not None and kwargs.get("assistant_tokenizer") is None and decoding == "auto":
+        # HF's assisted decoding, batched: the assistant drafts for GAD (greedy: the same tokens as HF's).
+        decoding, drafter = "gad", kwargs.pop("assistant_model")
     if decoding not in ("auto", "iad", "gad"):
         raise ValueError(f"lightgen generate: decoding must be 'auto', 'iad' or 'gad', got {decoding!r}")
     if max_draft < 1 or block_size < 1:
@@ -156,16 +159,16 @@ def _unsupported(generation_config, model_kwargs) -> str | None:
 
 def _aggressive_unsupported(name, generation_config, logits_processor, stopping_criteria) -> str | None:
     if generation_config.get_generation_mode() != GenerationMode.GREEDY_SEARCH:
-        return f"decoding='{name}' is greedy decoding: num_beams=1 and do_sample=False"
+        return f"decoding='{name}' is greedy decoding (num_beams=1, do_sample=False)"
     others = [p for p in logits_processor if not isinstance(p, ForcedEOSTokenLogitsProcessor)]
     if others:
         names = ", ".join(type(p).__name__ for p in others)
-        return f"decoding='{name}' does not run logits processors ({names}); running plain greedy"
+        return f"decoding='{name}' does not run logits processors ({names})"
     if any(type(c).__name__ not in ("MaxLengthCriteria", "EosTokenCriteria") for c in stopping_criteria):
-        return f"decoding='{name}' supports only max-length and EOS stopping; running plain greedy"
+        return f"decoding='{name}' supports only max-length and EOS stopping"
     if generation_config.return_dict_in_generate and (generation_config.output_scores
                                                       or generation_config.output_logits):
-        return f"decoding='{name}' does not return scores or logits; running plain greedy"
+        return f"decoding='{name}' does not return scores or logits"
     return None
 
 
@@ -178,7 +181,7 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
         if reason is None:
             return _aggressive(model, input_ids, inputs_tensor, generation_config, logits_processor, aggressive,
                                model_kwargs)
-        _fall_back(reason)
+        _fall_back(reason, instead=f"lightgen's loop without decoding='{aggressive.name}'")
     reason = _unsupported(generation_config, model_kwargs)
     if reason is None:
         logits_processor = _without_vocabulary_scans(logits_processor)
@@ -236,8 +239,10 @@ def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_proce
     if aggressive.drafter is None:
         drafts = CopyFromInput(sources)
     else:
+        encoder_outputs = model_kwargs.get("encoder_outputs")
         drafts = start_session(aggressive.drafter, sources=sources, source_ids=source, source_mask=mask,
-                               max_length=generation_config.max_length, max_draft=aggressive.max_draft)
+                               max_length=generation_config.max_length, max_draft=aggressive.max_draft,
+                               encoder_hidden=encoder_outputs[0] if encoder_outputs is not None else None)
     eos = generation_config._eos_token_tensor
     pad = generation_config._pad_token_tensor
     # Forcing EOS at the last position picks the lowest forced id, as argmax over HF's scores does.

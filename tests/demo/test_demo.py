@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lightgen
-from lightgen.demo import EXAMPLES, held_out_pairs, load_demo_model
+from lightgen.demo import EXAMPLES, held_out_pairs, load_demo_drafter, load_demo_model
 from lightgen.demo.noise import Noiser, edits, number_pairs, score, words
 
 # Measured on the shipped model (400 held-out sentences, greedy): exact match 0.37, F0.5 0.49 (README
@@ -61,6 +61,23 @@ def test_iad_accepts_many_tokens_per_pass(models):
     assert tokens / int(out.iterations.sum()) > 2
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_gad_with_the_shipped_drafter_equals_greedy_in_fewer_passes(models, batch):
+    """GAD (beta=1) returns HF greedy's tokens; the distilled drafter's blocks mostly pass."""
+    reference, accelerated, tokenizer = models
+    drafter = load_demo_drafter()
+    sources, _ = held_out_pairs(24)
+    tokens = passes = 0
+    for start in range(0, len(sources), batch):
+        chunk = sources[start:start + batch]
+        out = _greedy(accelerated, tokenizer, chunk, decoding="gad", drafter=drafter, block_size=8,
+                      return_dict_in_generate=True)
+        assert torch.equal(out.sequences, _greedy(reference, tokenizer, chunk)), chunk
+        tokens += sum(int(row.sum()) for row in out.tokens_per_iteration)
+        passes += int(out.iterations.sum())
+    assert tokens / passes > 2
+
+
 def test_model_corrects_held_out_errors(models):
     _, accelerated, tokenizer = models
     sources, references = held_out_pairs(400)
@@ -78,6 +95,7 @@ def test_demo_command_runs_short(capsys):
     main(["demo", "--short"])
     out = capsys.readouterr().out
     for line in ("lightgen greedy == HF greedy: True", "lightgen IAD == HF greedy: True",
+                 "lightgen GAD == HF greedy: True",
                  "lightgen beam 4 == HF beam 4: True", "tokens per pass", EXAMPLES[0]):
         assert line in out
 
@@ -116,3 +134,18 @@ def test_training_script_runs(tmp_path):
                 "--max-tokens", "600", "--eval-sentences", "2", "--threads", "1", "--out", str(tmp_path)])
     model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert model.config.d_model == 32 and (tmp_path / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+def test_train_drafter_command_runs(tmp_path):
+    """The drafter recipe end to end on a few sentences and steps; the saved drafter drafts for GAD."""
+    from lightgen.cli import main
+    from lightgen.drafting import NARDrafter
+
+    main(["train-drafter", "--sentences", "40", "--steps", "3", "--batch-size", "8", "--out", str(tmp_path)])
+    drafter = NARDrafter.from_pretrained(tmp_path)
+    reference, tokenizer = load_demo_model()
+    accelerated = lightgen.accelerate_model(reference)
+    sources, _ = held_out_pairs(3)
+    expected = _greedy(accelerated, tokenizer, sources)
+    assert torch.equal(_greedy(accelerated, tokenizer, sources, decoding="gad", drafter=drafter), expected)
