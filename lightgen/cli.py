@@ -1,5 +1,6 @@
 """``lightgen`` command line: ``env`` (kernel report), ``demo`` (the shipped grammar corrector, HF vs
-lightgen) and ``install-fairseq`` (the tested fairseq, for ``lightgen[fairseq]``)."""
+lightgen), ``install-fairseq`` (the tested fairseq, for ``lightgen[fairseq]``) and ``build-cuda``
+(compile the CUDA kernels for chosen GPU architectures, with or without a GPU)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,26 @@ def install_fairseq() -> None:
     subprocess.run(command, check=True)
 
 
+def build_cuda(archs: list[str]) -> None:
+    """Compile the CUDA kernels for ``archs`` into the kernel cache and load them: a CI compile check,
+    or a prebuild for GPUs the building machine does not have."""
+    from pathlib import Path
+
+    from lightgen import _build
+
+    # The op schemas first, as on a GPU machine: loading the CUDA library then checks every kernel's
+    # signature against its schema.
+    _build.load()
+    sources = ", ".join(path.name for path in _build.cuda_sources())
+    print(f"lightgen: compiling {sources} for {_build.cuda_target(archs)} ...", flush=True)
+    status = _build.build_cuda(archs)
+    if not status.compiled:
+        if status.log_path:
+            print(Path(status.log_path).read_text()[-20000:], file=sys.stderr)
+        raise SystemExit(f"lightgen: {status.reason}")
+    print(f"lightgen: built {status.library_path} in {status.build_seconds:.0f} s")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="lightgen", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +97,10 @@ def main(argv=None) -> None:
     demo_parser.add_argument("--src-len", type=int, default=32, help="--random-model only")
     demo_parser.add_argument("--new-tokens", type=int, default=24, help="--random-model only")
     commands.add_parser("install-fairseq", help="install the tested fairseq (after pip install 'lightgen[fairseq]')")
+    cuda_parser = commands.add_parser("build-cuda", help="compile the CUDA kernels for given GPU architectures "
+                                      "(needs nvcc and a CUDA build of torch, not a GPU)")
+    cuda_parser.add_argument("--arch", action="append", required=True,
+                             help="compute capability such as 9.0 or 8.0; repeat for several")
     args = parser.parse_args(argv)
     for name in ("sentences", "batch", "repeats", "layers", "src_len", "new_tokens"):
         if getattr(args, name, 1) < (0 if name == "sentences" else 1):
@@ -86,6 +111,8 @@ def main(argv=None) -> None:
         env_main()
     elif args.command == "install-fairseq":
         install_fairseq()
+    elif args.command == "build-cuda":
+        build_cuda(args.arch)
     elif args.random_model:
         random_model_demo(args.layers, args.batch, args.src_len, args.new_tokens, args.repeats)
     else:
