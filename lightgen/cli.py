@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import subprocess
 import sys
 
@@ -61,6 +62,12 @@ def install_fairseq() -> None:
     subprocess.run(command, check=True)
 
 
+def _compute_capability(value: str) -> str:
+    if not re.fullmatch(r"\d+\.\d+", value):
+        raise argparse.ArgumentTypeError(f"expected a compute capability such as 9.0 or 8.0, got {value!r}")
+    return value
+
+
 def build_cuda(archs: list[str]) -> None:
     """Compile the CUDA kernels for ``archs`` into the kernel cache and load them: a CI compile check,
     or a prebuild for GPUs the building machine does not have."""
@@ -68,9 +75,9 @@ def build_cuda(archs: list[str]) -> None:
 
     from lightgen import _build
 
-    # The op schemas first, as on a GPU machine: loading the CUDA library then checks every kernel's
-    # signature against its schema.
-    _build.load()
+    # The op schemas first, as on a GPU machine, so that loading the CUDA library checks every kernel's
+    # signature against its schema; defined from Python, without building the CPU library.
+    _build._register(_build.BuildStatus(reason="lightgen build-cuda defines the schemas only"))
     sources = ", ".join(path.name for path in _build.cuda_sources())
     print(f"lightgen: compiling {sources} for {_build.cuda_target(archs)} ...", flush=True)
     status = _build.build_cuda(archs)
@@ -99,7 +106,7 @@ def main(argv=None) -> None:
     commands.add_parser("install-fairseq", help="install the tested fairseq (after pip install 'lightgen[fairseq]')")
     cuda_parser = commands.add_parser("build-cuda", help="compile the CUDA kernels for given GPU architectures "
                                       "(needs nvcc and a CUDA build of torch, not a GPU)")
-    cuda_parser.add_argument("--arch", action="append", required=True,
+    cuda_parser.add_argument("--arch", action="append", required=True, type=_compute_capability,
                              help="compute capability such as 9.0 or 8.0; repeat for several")
     args = parser.parse_args(argv)
     for name in ("sentences", "batch", "repeats", "layers", "src_len", "new_tokens"):

@@ -91,13 +91,15 @@ std::tuple<Tensor, Tensor> norm_impl(const char* op, bool rms, double eps, const
     dispatch_bool(rms, [&](auto rms_c) {
       dispatch_bool(residual.defined(), [&](auto res_c) {
         dispatch_bool(bias.defined(), [&](auto bias_c) {
-          norm_kernel<scalar_t, LG_CONST(rms_c), LG_CONST(res_c), LG_CONST(bias_c)>
-              <<<rows, row_threads(c), 0, stream>>>(
-                  x.data_ptr<scalar_t>(), residual.defined() ? residual.data_ptr<scalar_t>() : nullptr,
-                  weight.data_ptr<scalar_t>(), bias.defined() ? bias.data_ptr<scalar_t>() : nullptr,
-                  sum.defined() ? sum.data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(), c,
-                  static_cast<float>(eps));
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          if constexpr (!(LG_CONST(rms_c) && LG_CONST(bias_c))) {  // RMSNorm has no bias
+            norm_kernel<scalar_t, LG_CONST(rms_c), LG_CONST(res_c), LG_CONST(bias_c)>
+                <<<rows, row_threads(c), 0, stream>>>(
+                    x.data_ptr<scalar_t>(), residual.defined() ? residual.data_ptr<scalar_t>() : nullptr,
+                    weight.data_ptr<scalar_t>(), bias.defined() ? bias.data_ptr<scalar_t>() : nullptr,
+                    sum.defined() ? sum.data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(), c,
+                    static_cast<float>(eps));
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          }
         });
       });
     });
