@@ -1,6 +1,7 @@
 """Every CUDA kernel against its pure-PyTorch reference on the same GPU tensors, over dtypes and odd
 shapes, plus opcheck and the error paths. Skipped without a GPU (conftest)."""
 
+import os
 import warnings
 
 import pytest
@@ -19,6 +20,9 @@ DTYPE_IDS = ["fp32", "fp16", "bf16"]
 CUDA = "cuda"
 
 
+DISABLED = os.environ.get("LIGHTGEN_DISABLE_EXT") == "1"  # references only, on purpose (test_build.py)
+
+
 @pytest.fixture(autouse=True)
 def no_reference_fallback():
     """A CUDA op that silently ran its reference would compare the reference with itself."""
@@ -26,13 +30,14 @@ def no_reference_fallback():
         warnings.simplefilter("always")
         yield
     fallbacks = [str(w.message) for w in caught if "no compiled kernel" in str(w.message)]
-    assert not fallbacks, fallbacks
+    assert DISABLED or not fallbacks, fallbacks
 
 
 def _randn(*shape, dtype=torch.float32, gen, scale=1.0, shift=0.0):
     return (torch.randn(*shape, generator=gen) * scale + shift).to(device=CUDA, dtype=dtype)
 
 
+@pytest.mark.skipif(DISABLED, reason="LIGHTGEN_DISABLE_EXT=1")
 def test_cuda_kernels_are_built_for_this_gpu():
     status = _build.load().cuda
     assert status is not None and status.compiled, status
@@ -208,7 +213,7 @@ def test_beam_topk(shape, log_softmax, kind):
             torch.testing.assert_close(survivors, ref_survivors, atol=0, rtol=0)
 
 
-def test_beam_topk_rejects_nan():
+def test_beam_topk_nan_is_an_error():
     scores = torch.zeros(4, 10, device=CUDA)
     scores[2, 3] = float("nan")
     with pytest.raises(RuntimeError, match="row 2 contains NaN"):
