@@ -145,7 +145,18 @@ def _why_cannot_build() -> str | None:
 STALE_LOCK_SECONDS = 900
 
 
+def lock_file_blocks() -> bool:
+    """Whether cpp_extension's build lock is a file whose existence blocks (torch <= 2.13's FileBaton).
+    From torch 2.14 it is an OS advisory lock on a file that stays after every build and frees itself
+    when its holder dies: that file is never stale, and deleting it could let a second build in."""
+    from torch.utils import cpp_extension
+
+    return hasattr(cpp_extension, "FileBaton")
+
+
 def clear_stale_lock(build_dir: Path) -> None:
+    if not lock_file_blocks():
+        return
     lock = build_dir / "lock"
     try:
         age = time.time() - lock.stat().st_mtime

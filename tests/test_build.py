@@ -110,6 +110,7 @@ def test_two_processes_building_at_once_both_get_kernels(tmp_path):
     assert [out.strip() for out, _ in outputs] == ["True", "True"], outputs
 
 
+@pytest.mark.skipif(not _build.lock_file_blocks(), reason="this torch's build lock frees itself")
 def test_a_lock_left_by_a_killed_build_is_removed_with_a_warning(tmp_path):
     lock = tmp_path / "lock"
     lock.touch()
