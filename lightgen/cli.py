@@ -1,11 +1,13 @@
 """``lightgen`` command line: ``env`` (kernel report), ``demo`` (the shipped grammar corrector, HF vs
-lightgen), ``install-fairseq`` (the tested fairseq, for ``lightgen[fairseq]``) and ``train-drafter``
-(a GAD drafter distilled from a verifier)."""
+lightgen), ``install-fairseq`` (the tested fairseq, for ``lightgen[fairseq]``), ``train-drafter``
+(a GAD drafter distilled from a verifier) and ``build-cuda`` (compile the CUDA kernels for chosen GPU
+architectures, with or without a GPU)."""
 
 from __future__ import annotations
 
 import argparse
 import copy
+import re
 import subprocess
 import sys
 
@@ -61,6 +63,32 @@ def install_fairseq() -> None:
     subprocess.run(command, check=True)
 
 
+def _compute_capability(value: str) -> str:
+    if not re.fullmatch(r"\d+\.\d+", value):
+        raise argparse.ArgumentTypeError(f"expected a compute capability such as 9.0 or 8.0, got {value!r}")
+    return value
+
+
+def build_cuda(archs: list[str]) -> None:
+    """Compile the CUDA kernels for ``archs`` into the kernel cache and load them: a CI compile check,
+    or a prebuild for GPUs the building machine does not have."""
+    from pathlib import Path
+
+    from lightgen import _build
+
+    # The op schemas first, as on a GPU machine, so that loading the CUDA library checks every kernel's
+    # signature against its schema; defined from Python, without building the CPU library.
+    _build._register(_build.BuildStatus(reason="lightgen build-cuda defines the schemas only"))
+    sources = ", ".join(path.name for path in _build.cuda_sources())
+    print(f"lightgen: compiling {sources} for {_build.cuda_target(archs)} ...", flush=True)
+    status = _build.build_cuda(archs)
+    if not status.compiled:
+        if status.log_path:
+            print(Path(status.log_path).read_text()[-20000:], file=sys.stderr)
+        raise SystemExit(f"lightgen: {status.reason}")
+    print(f"lightgen: built {status.library_path} in {status.build_seconds:.0f} s")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="lightgen", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -79,6 +107,10 @@ def main(argv=None) -> None:
     commands.add_parser("install-fairseq", help="install the tested fairseq (after pip install 'lightgen[fairseq]')")
     commands.add_parser("train-drafter", add_help=False,
                         help="distil a GAD drafter for a verifier (lightgen train-drafter --help)")
+    cuda_parser = commands.add_parser("build-cuda", help="compile the CUDA kernels for given GPU architectures "
+                                      "(needs nvcc and a CUDA build of torch, not a GPU)")
+    cuda_parser.add_argument("--arch", action="append", required=True, type=_compute_capability,
+                             help="compute capability such as 9.0 or 8.0; repeat for several")
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "train-drafter":  # whose options its own parser reads
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -95,6 +127,8 @@ def main(argv=None) -> None:
         from lightgen.drafting import main as train_drafter_main
 
         train_drafter_main(rest)
+    elif args.command == "build-cuda":
+        build_cuda(args.arch)
     elif args.random_model:
         random_model_demo(args.layers, args.batch, args.src_len, args.new_tokens, args.repeats)
     else:

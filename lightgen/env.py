@@ -25,10 +25,15 @@ def report() -> dict:
 
     status = _build.load()
     cuda = torch.cuda.is_available()
+    if status.cuda is None:
+        gpu = "n/a (no CUDA device)"
+    elif status.cuda.compiled:
+        gpu = f"compiled ({status.cuda.isa})"
+    else:
+        gpu = f"reference fallback ({status.cuda.reason})"
     ops = {}
     for name in status.ops:
         cpu = "compiled" if status.compiled else f"reference fallback ({status.reason})"
-        gpu = "reference fallback (no CUDA kernels in this version)" if cuda else "n/a (no CUDA device)"
         ops[name] = {"cpu": cpu, "cuda": gpu}
     return {
         "lightgen": __version__,
@@ -43,6 +48,7 @@ def report() -> dict:
         "build_seconds": round(status.build_seconds, 1),
         "build_log": status.log_path,
         "library": status.library_path,
+        "cuda_build_log": status.cuda.log_path if status.cuda else None,
         "ops": ops,
     }
 

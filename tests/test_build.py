@@ -1,6 +1,7 @@
 """The kernel loader: env report, fallback to references, strict mode, concurrent first builds."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -8,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightgen import _build
 from lightgen._compat import check_transformers_version
@@ -25,6 +27,18 @@ def test_every_schema_has_reference_and_fake():
     from lightgen import ops
 
     assert set(_build.schemas()) == set(ops.REFERENCES) == set(ops.FAKES)
+
+
+def test_every_op_has_a_cuda_kernel_built_only_where_a_gpu_is():
+    registered = set()
+    for path in _build.cuda_sources():
+        registered |= set(re.findall(r'm\.impl\("(\w+)"', path.read_text()))
+    assert registered == set(_build.schemas())
+    assert _build._gencode_flags(["9.0", "8.0"]) == ["-gencode=arch=compute_90,code=sm_90",
+                                                     "-gencode=arch=compute_80,code=sm_80"]
+    if not torch.cuda.is_available():
+        assert _build.load().cuda is None
+        assert report()["ops"]["attention"]["cuda"] == "n/a (no CUDA device)"
 
 
 def test_env_report_lists_every_op_as_compiled():
@@ -96,6 +110,7 @@ def test_two_processes_building_at_once_both_get_kernels(tmp_path):
     assert [out.strip() for out, _ in outputs] == ["True", "True"], outputs
 
 
+@pytest.mark.skipif(not _build.lock_file_blocks(), reason="this torch's build lock frees itself")
 def test_a_lock_left_by_a_killed_build_is_removed_with_a_warning(tmp_path):
     lock = tmp_path / "lock"
     lock.touch()
