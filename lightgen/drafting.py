@@ -366,6 +366,7 @@ def main(argv=None) -> None:
     parser.add_argument("--text", type=Path, help="source sentences, one per line (default: the demo corpus's "
                         "training sentences with synthetic errors)")
     parser.add_argument("--out", type=Path, help="where to save (default: the demo drafter's folder)")
+    parser.add_argument("--init", type=Path, help="continue training the drafter saved in this folder")
     parser.add_argument("--sentences", type=int, default=20000)
     parser.add_argument("--targets", type=Path, help="cache of the verifier's greedy outputs (JSON): read if it "
                         "exists, else written")
@@ -402,7 +403,7 @@ def main(argv=None) -> None:
         if args.targets:
             args.targets.write_text(json.dumps(targets))
     print(f"{len(sources)} greedy targets from the verifier in {time.time() - started:.0f}s", flush=True)
-    drafter = drafter_for(verifier)
+    drafter = NARDrafter.from_pretrained(args.init) if args.init else drafter_for(verifier)
     print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters", flush=True)
     train_drafter(drafter, sources, targets, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                   seed=args.seed, verifier_encoder=verifier.get_encoder() if drafter.encoder is None else None,
