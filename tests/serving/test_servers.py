@@ -1,0 +1,195 @@
+"""Each backend for real: ``lightgen serve`` in a subprocess on 127.0.0.1, concurrent requests (bounded),
+answers equal to direct ``generate``, batches observed, bad requests refused while good ones are served,
+and a SIGTERM that leaves no process and no workspace behind.
+
+Needs ``lightgen[triton]`` / ``lightgen[ray]``; without them these tests skip, except under
+``LIGHTGEN_SERVING_TESTS=1`` (CI's serving run), where a missing extra fails.
+"""
+
+import concurrent.futures
+import importlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightgen.demo import EXAMPLES, held_out_pairs, load_demo_model
+from lightgen.serving import EXTRA_PACKAGES
+from lightgen.serving.client import Client
+
+REPO = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 240  # Ray on a busy 2-core machine: ~35 s
+MAX_NEW_TOKENS = 60
+
+
+def _require(backend):
+    if os.environ.get("LIGHTGEN_SERVING_TESTS") == "1":
+        importlib.import_module(EXTRA_PACKAGES[backend])  # CI's serving run installs both: fail, never skip
+    else:
+        pytest.importorskip(EXTRA_PACKAGES[backend], reason=f"needs pip install -e '.[{backend}]'")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=["triton", "ray"])
+def server(request):
+    backend = request.param
+    _require(backend)
+    import psutil
+
+    # Short: Ray's socket paths live under it and must stay under 107 characters.
+    home = tempfile.mkdtemp(prefix="lgserve")
+    port = _free_port()
+    command = [sys.executable, "-m", "lightgen.cli", "serve", "--backend", backend, "--port", str(port),
+               "--max-new-tokens", str(MAX_NEW_TOKENS), "--max-input-tokens", "64", "--max-batch-size", "16",
+               "--max-delay-ms", "100"]
+    if backend == "triton":
+        command += ["--grpc-port", str(_free_port()), "--metrics-port", str(_free_port())]
+    env = dict(os.environ, PYTRITON_HOME=home, RAY_TMPDIR=home,
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    log = open(os.path.join(home, "server.log"), "w")
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
+    client = Client(f"http://127.0.0.1:{port}", backend)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not client.ready():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"{backend} server did not become ready:\n{Path(log.name).read_text()[-3000:]}")
+        time.sleep(0.5)
+    started = psutil.Process(process.pid).children(recursive=True)
+    yield client
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    time.sleep(2)  # Ray's agents exit shortly after the driver
+    left = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for child in left:
+        child.kill()
+    workspaces = sorted(p.name for p in Path(home).glob("workspace_*"))
+    output = Path(log.name).read_text()
+    log.close()
+    shutil.rmtree(home, ignore_errors=True)
+    assert process.returncode == 0, output[-3000:]
+    assert not left, f"left running after SIGTERM: {[(p.pid, p.name()) for p in left]}"
+    assert not workspaces, f"PyTriton workspace left behind: {workspaces}"
+
+
+@pytest.fixture(scope="module")
+def direct():
+    """The sentences, and plain HF generate's answer for each (greedy and beam 2), one sentence at a time."""
+    model, tokenizer = load_demo_model()
+    sentences = EXAMPLES + held_out_pairs(10)[0]
+    answers = {}
+    for text in sentences:
+        for beams in (1, 2):
+            with torch.no_grad():
+                row = model.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=MAX_NEW_TOKENS,
+                                     num_beams=beams)[0].tolist()[1:]
+            answers[text, beams] = row[:row.index(2) + 1] if 2 in row else row
+    return sentences, answers, tokenizer
+
+
+def _concurrently(calls):
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
+def test_concurrent_requests_are_batched_and_equal_direct_generate(server, direct):
+    sentences, answers, tokenizer = direct
+    settings = [{}, {"num_beams": 2}, {"decoding": "iad"}]
+    requests = [dict(text=text, **settings[i % 3]) for i, text in enumerate(sentences)]
+    before = server.batch_sizes()
+    got = _concurrently([lambda r=r: server.generate([r])[0] for r in requests])
+    for request, answer in zip(requests, got, strict=True):
+        expected = answers[request["text"], request.get("num_beams", 1)]  # IAD gives greedy's tokens
+        assert answer == {"output_ids": expected,
+                          "text": tokenizer.decode(expected, skip_special_tokens=True).strip()}, request
+    after = server.batch_sizes()
+    new = {size: after.get(size, 0) - before.get(size, 0) for size in after}
+    assert sum(size * count for size, count in new.items()) == len(requests)
+    assert max(size for size, count in new.items() if count) > 1, f"no batch formed: {new}"
+
+
+def test_token_ids_in_and_out(server, direct):
+    sentences, answers, tokenizer = direct
+    ids = tokenizer(sentences[0])["input_ids"]
+    (answer,) = server.generate([{"input_ids": ids}])
+    assert answer["output_ids"] == answers[sentences[0], 1]
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch_mates(server, direct):
+    sentences, _, _ = direct
+    sample = {"text": sentences[1], "do_sample": True, "top_p": 0.9, "temperature": 1.3, "seed": 11}
+    first = server.generate([sample])[0]
+    crowd = _concurrently([lambda: server.generate([sample, {"text": sentences[2]}])[0]] +
+                          [lambda t=t: server.generate([{"text": t, "do_sample": True}])[0] for t in sentences[3:9]])
+    assert "output_ids" in first and crowd[0] == first
+
+
+def _raw(server, path, data: bytes):
+    request = urllib.request.Request(server.url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_bad_requests_are_refused_and_good_ones_still_served(server, direct):
+    sentences, answers, _ = direct
+    good = {"text": sentences[0]}
+    bad = [{"text": sentences[0], "num_beams": 99}, {"text": 5}, {"text": "word " * 100}, {"input_ids": [-1]},
+           {"text": "a", "colour": "red"}, {"text": "a", "decoding": "iad", "do_sample": True}, ["not", "a", "dict"]]
+    mixed = _concurrently([lambda: server.generate([good] + bad + [good])] +
+                          [lambda b=b: server.generate([b])[0] for b in bad])
+    mixed_answers, single_answers = mixed[0], mixed[1:]
+    assert mixed_answers[0] == mixed_answers[-1] and mixed_answers[0]["output_ids"] == answers[sentences[0], 1]
+    for answer in mixed_answers[1:-1] + single_answers:
+        assert list(answer) == ["error"] and answer["error"]
+    for requests in ([], [good] * 17):  # empty and oversize calls are refused whole
+        with pytest.raises(RuntimeError, match="refused"):
+            server.generate(requests)
+    if server.backend == "triton":
+        status, body = _raw(server, "/v2/models/lightgen/infer", json.dumps(
+            {"inputs": [{"name": "request", "shape": [1, 1], "datatype": "INT64", "data": [5]}]}).encode())
+        assert status == 400 and "INT64" in body["error"], body
+        status, body = _raw(server, "/v2/models/lightgen/infer", json.dumps(
+            {"inputs": [{"name": "request", "shape": [1, 1], "datatype": "BYTES", "data": ["{not json"]}]}).encode())
+        assert status == 200 and "request is not JSON" in json.loads(body["outputs"][0]["data"][0])["error"]
+    else:
+        assert _raw(server, "/generate", b"{not json")[0] == 400
+        status, body = _raw(server, "/generate", json.dumps({"text": "a", "num_beams": 0}).encode())
+        assert (status, body) == (400, {"error": "'num_beams' must be in [1, 8], got 0"})
+        assert _raw(server, "/generate", json.dumps(good).encode()) == (200, server.generate([good])[0])
+    assert server.ready()
+    assert server.generate([good])[0]["output_ids"] == answers[sentences[0], 1]
+
+
+def test_health_endpoints(server):
+    if server.backend == "triton":
+        for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/lightgen/ready"):
+            with urllib.request.urlopen(server.url + path, timeout=10) as response:
+                assert response.status == 200
+    else:
+        with urllib.request.urlopen(server.url + "/health", timeout=10) as response:
+            info = json.loads(response.read())
+        assert info["accelerated"] is True and info["model_type"] == "mbart"
+        assert info["limits"]["max_new_tokens"] == MAX_NEW_TOKENS and info["limits"]["max_batch_size"] == 16
