@@ -10,27 +10,18 @@ import concurrent.futures
 import importlib
 import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
 
 from lightgen.demo import EXAMPLES, held_out_pairs, load_demo_model
 from lightgen.serving import EXTRA_PACKAGES
-from lightgen.serving.client import Client
+from lightgen.serving.launch import ServerProcess
 
-REPO = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT_S = 240  # Ray on a busy 2-core machine: ~35 s
 MAX_NEW_TOKENS = 60
+pytestmark = pytest.mark.serving
 
 
 def _require(backend):
@@ -40,56 +31,16 @@ def _require(backend):
         pytest.importorskip(EXTRA_PACKAGES[backend], reason=f"needs pip install -e '.[{backend}]'")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=["triton", "ray"])
 def server(request):
-    backend = request.param
-    _require(backend)
-    import psutil
-
-    # Short: Ray's socket paths live under it and must stay under 107 characters.
-    home = tempfile.mkdtemp(prefix="lgserve")
-    port = _free_port()
-    command = [sys.executable, "-m", "lightgen.cli", "serve", "--backend", backend, "--port", str(port),
-               "--max-new-tokens", str(MAX_NEW_TOKENS), "--max-input-tokens", "64", "--max-batch-size", "16",
-               "--max-delay-ms", "100"]
-    if backend == "triton":
-        command += ["--grpc-port", str(_free_port()), "--metrics-port", str(_free_port())]
-    env = dict(os.environ, PYTRITON_HOME=home, RAY_TMPDIR=home,
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    log = open(os.path.join(home, "server.log"), "w")
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, start_new_session=True)
-    client = Client(f"http://127.0.0.1:{port}", backend)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not client.ready():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"{backend} server did not become ready:\n{Path(log.name).read_text()[-3000:]}")
-        time.sleep(0.5)
-    started = psutil.Process(process.pid).children(recursive=True)
-    yield client
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        process.kill()
-    time.sleep(2)  # Ray's agents exit shortly after the driver
-    left = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    for child in left:
-        child.kill()
-    workspaces = sorted(p.name for p in Path(home).glob("workspace_*"))
-    output = Path(log.name).read_text()
-    log.close()
-    shutil.rmtree(home, ignore_errors=True)
-    assert process.returncode == 0, output[-3000:]
-    assert not left, f"left running after SIGTERM: {[(p.pid, p.name()) for p in left]}"
-    assert not workspaces, f"PyTriton workspace left behind: {workspaces}"
+    _require(request.param)
+    process = ServerProcess(request.param, ["--max-new-tokens", str(MAX_NEW_TOKENS), "--max-input-tokens", "64",
+                                            "--max-batch-size", "16", "--max-delay-ms", "100"])
+    with process as client:
+        yield client
+    assert process.returncode == 0, process.output[-3000:]
+    assert not process.leftovers, f"left running after SIGTERM: {process.leftovers}"
+    assert not process.workspaces, f"PyTriton workspace left behind: {process.workspaces}"
 
 
 @pytest.fixture(scope="module")
