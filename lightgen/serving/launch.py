@@ -27,12 +27,16 @@ def free_port() -> int:
 class ServerProcess:
     """``with ServerProcess("ray", ["--max-batch-size", "16"]) as client: client.generate(...)``.
 
-    On exit: ``leftovers`` (processes started under the server still running after SIGTERM; killed),
-    ``workspaces`` (PyTriton workspaces not removed), ``returncode`` and ``output`` (the server's log).
+    ``stop_signal``: how it is stopped; ``sigint_ignored``: start it as a shell starts a background job
+    (SIGINT ignored, inherited). On exit: ``leftovers`` (processes started under the server still running
+    after the stop signal; killed), ``workspaces`` (PyTriton workspaces not removed), ``returncode`` and
+    ``output`` (the server's log).
     """
 
-    def __init__(self, backend: str, args: list[str] = (), startup_timeout_s: float = 240.0) -> None:
+    def __init__(self, backend: str, args: list[str] = (), startup_timeout_s: float = 240.0,
+                 stop_signal: int = signal.SIGTERM, sigint_ignored: bool = False) -> None:
         self.backend, self.args, self.startup_timeout_s = backend, list(args), startup_timeout_s
+        self.stop_signal, self.sigint_ignored = stop_signal, sigint_ignored
         self.leftovers, self.workspaces, self.returncode, self.output = [], [], None, ""
 
     def __enter__(self) -> Client:
@@ -48,7 +52,8 @@ class ServerProcess:
                    PYTHONPATH=os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p))
         self.log = open(os.path.join(self.home, "server.log"), "w")
         self.process = subprocess.Popen(command + self.args, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=self._ignore_sigint if self.sigint_ignored else None)
         client = Client(f"http://127.0.0.1:{port}", self.backend)
         deadline = time.monotonic() + self.startup_timeout_s
         while not client.ready():
@@ -59,13 +64,17 @@ class ServerProcess:
         self.started = psutil.Process(self.process.pid).children(recursive=True)
         return client
 
+    @staticmethod
+    def _ignore_sigint():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     def __exit__(self, *_) -> None:
         self._stop(self.started)
 
     def _stop(self, started) -> None:
         import psutil
 
-        self.process.send_signal(signal.SIGTERM)
+        self.process.send_signal(self.stop_signal)
         try:
             self.process.wait(timeout=90)
         except subprocess.TimeoutExpired:

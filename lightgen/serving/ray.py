@@ -6,7 +6,8 @@ if it is refused) or a list of 1 to ``max_batch_size`` of them (answer: a list, 
 ``@ray_serve.batch`` merges concurrent requests on each replica; ``num_replicas``/``max_replicas`` scale out
 over every node of the Ray cluster. On an existing cluster, the same application runs with Ray's CLI:
 
-    serve run lightgen.serving.ray:build_app model_dir=/models/gec num_replicas=4 max_replicas=16
+    serve start --address auto --http-host 0.0.0.0 --http-port 8000
+    serve run --address auto lightgen.serving.ray:build_app model_dir=/models/gec num_replicas=4 max_replicas=16
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ def build_app(args: dict):
 
 
 def serve(options: ServeOptions) -> None:
-    """Start (or join) a Ray cluster, run the application on ``options.host:port`` until SIGINT/SIGTERM,
-    then shut Serve (and a cluster it started) down."""
+    """Start a local Ray instance (or join ``options.ray_address``), run the application on
+    ``options.host:port`` until SIGINT/SIGTERM, then shut down what was started (on a cluster joined: the
+    application only)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Else Ray advertises the machine's address instead of 127.0.0.1 for a local cluster.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -105,6 +107,9 @@ def serve(options: ServeOptions) -> None:
               f"({options.num_replicas}-{options.max_replicas or options.num_replicas} replicas)", flush=True)
         stop.wait()
     finally:
-        ray_serve.shutdown()
+        if options.ray_address:  # someone else's cluster: remove this application only
+            ray_serve.delete("lightgen")
+        else:
+            ray_serve.shutdown()
         ray.shutdown()
 

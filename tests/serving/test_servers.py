@@ -10,6 +10,7 @@ import concurrent.futures
 import importlib
 import json
 import os
+import signal
 import urllib.error
 import urllib.request
 
@@ -34,12 +35,20 @@ def _require(backend):
 @pytest.fixture(scope="module", params=["triton", "ray"])
 def server(request):
     _require(request.param)
+    # Triton is started as a shell's background job (SIGINT ignored) and stopped by SIGINT, which it must
+    # restore; Ray is stopped by SIGTERM (Triton's SIGTERM: test_triton_serves_a_saved_folder_and_stops_on_sigterm).
     process = ServerProcess(request.param, ["--max-new-tokens", str(MAX_NEW_TOKENS), "--max-input-tokens", "64",
-                                            "--max-batch-size", "16", "--max-delay-ms", "100"])
+                                            "--max-batch-size", "16", "--max-delay-ms", "100"],
+                            stop_signal=signal.SIGINT if request.param == "triton" else signal.SIGTERM,
+                            sigint_ignored=request.param == "triton")
     with process as client:
         yield client
+    _assert_clean_stop(process)
+
+
+def _assert_clean_stop(process):
     assert process.returncode == 0, process.output[-3000:]
-    assert not process.leftovers, f"left running after SIGTERM: {process.leftovers}"
+    assert not process.leftovers, f"left running after the stop signal: {process.leftovers}"
     assert not process.workspaces, f"PyTriton workspace left behind: {process.workspaces}"
 
 
@@ -144,3 +153,21 @@ def test_health_endpoints(server):
             info = json.loads(response.read())
         assert info["accelerated"] is True and info["model_type"] == "mbart"
         assert info["limits"]["max_new_tokens"] == MAX_NEW_TOKENS and info["limits"]["max_batch_size"] == 16
+
+
+def test_triton_serves_a_saved_folder_and_stops_on_sigterm(tmp_path):
+    """A decoder-only model saved without a tokenizer: ids in and out; SIGTERM removes the workspace too."""
+    _require("triton")
+    from models import build
+
+    model = build("gpt2")
+    model.save_pretrained(tmp_path)
+    process = ServerProcess("triton", [str(tmp_path), "--max-new-tokens", "6"])
+    with process as client:
+        answers = client.generate([{"input_ids": [5, 6, 7]}, {"text": "hi"}])
+    with torch.no_grad():
+        row = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = row[0, 3:].tolist()
+    assert answers == [{"output_ids": expected[:expected.index(2) + 1] if 2 in expected else expected},
+                       {"error": "this model has no tokenizer: send 'input_ids'"}]
+    _assert_clean_stop(process)
