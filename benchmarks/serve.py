@@ -87,10 +87,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="24 requests, concurrency 1 and 8")
     parser.add_argument("--backends", nargs="+", choices=["triton", "ray"], default=["triton", "ray"])
     parser.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS))
+    parser.add_argument("--requests", type=int, help="per concurrency level (default 200; --quick 24)")
+    parser.add_argument("--concurrency", type=int, nargs="+", help="client threads per level (default 1 8 32)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results",
                         help="folder for serve.json and serve.png")
     args = parser.parse_args(argv)
-    settings = QUICK if args.quick else FULL
+    settings = dict(QUICK if args.quick else FULL)
+    settings.update({k: v for k, v in (("requests", args.requests), ("concurrency", args.concurrency)) if v})
     env = environment(compiled_kernels(), args.quick, malloc_tuned=False)
     env["server_torch_threads"] = SERVER_THREADS
     sources, _ = held_out_pairs(min(settings["requests"], 400))

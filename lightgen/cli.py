@@ -75,6 +75,13 @@ def serve(args, parser) -> None:
         max_input_tokens=args.max_input_tokens, max_new_tokens=args.max_new_tokens, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, workspace=args.workspace, num_replicas=args.num_replicas,
         max_replicas=args.max_replicas, ray_address=args.ray_address)
+    if args.export_repository:
+        if args.backend != "triton":
+            parser.error("--export-repository is for --backend triton")
+        from lightgen.serving.triton_repository import write_repository
+
+        print(f"wrote {write_repository(options, args.export_repository)}")
+        return
     try:
         module = backend(args.backend)
     except ImportError as error:
@@ -114,6 +121,8 @@ def main(argv=None) -> None:
     serve_parser.add_argument("--grpc-port", type=int, help="triton: default port + 1")
     serve_parser.add_argument("--metrics-port", type=int, help="triton: default port + 2")
     serve_parser.add_argument("--workspace", help="triton: PyTriton's model store (removed at shutdown)")
+    serve_parser.add_argument("--export-repository", metavar="DIR",
+                              help="triton: write a model repository for a standalone tritonserver and exit")
     serve_parser.add_argument("--num-replicas", type=int, default=1, help="ray: model replicas")
     serve_parser.add_argument("--max-replicas", type=int,
                               help="ray: autoscale between --num-replicas and this many replicas")

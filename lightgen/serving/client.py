@@ -37,7 +37,11 @@ class Client:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 return response.status, json.loads(response.read() or b"null")
         except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read() or b"null")
+            text = error.read().decode(errors="replace")
+            try:
+                return error.code, json.loads(text)
+            except json.JSONDecodeError:  # a proxy's plain-text answer, e.g. while a replica starts
+                return error.code, {"error": text}
 
     def generate(self, requests: list[dict]) -> list[dict]:
         """One answer per request: ``{"output_ids", "text"}`` or ``{"error"}``; a refused call raises."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import threading
 from pathlib import Path
 
@@ -260,6 +261,21 @@ class Generator:
         if self.tokenizer is not None:
             answer["text"] = self.tokenizer.decode(output_ids, skip_special_tokens=True).strip()
         return answer
+
+
+def answer_json(generator: Generator, rows: list[bytes]) -> list[bytes]:
+    """Triton's rows: JSON requests in, JSON answers out; a row that is not JSON gets an error answer."""
+    answers: list[dict | None] = [None] * len(rows)
+    requests, positions = [], []
+    for index, row in enumerate(rows):
+        try:
+            requests.append(json.loads(row))
+            positions.append(index)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            answers[index] = {"error": f"request is not JSON: {error}"}
+    for index, answer in zip(positions, generator.generate(requests), strict=True):
+        answers[index] = answer
+    return [json.dumps(answer).encode() for answer in answers]
 
 
 def _load_folder(path: Path):

@@ -56,11 +56,15 @@ class ServerProcess:
                                         preexec_fn=self._ignore_sigint if self.sigint_ignored else None)
         client = Client(f"http://127.0.0.1:{port}", self.backend)
         deadline = time.monotonic() + self.startup_timeout_s
-        while not client.ready():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self._stop([])
-                raise RuntimeError(f"{self.backend} server did not become ready:\n{self.output[-3000:]}")
-            time.sleep(0.5)
+        try:
+            while not client.ready():
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.backend} server did not become ready")
+                time.sleep(0.5)
+        except BaseException as error:
+            self._stop(psutil.Process(self.process.pid).children(recursive=True) if self.process.poll() is None
+                       else [])
+            raise RuntimeError(f"{error}; its log:\n{self.output[-3000:]}") from error
         self.started = psutil.Process(self.process.pid).children(recursive=True)
         return client
 

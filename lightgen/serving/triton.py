@@ -9,7 +9,6 @@ requests with different settings are grouped inside the batch instead.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sysconfig
@@ -19,29 +18,14 @@ from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 from pytriton.triton import DEFAULT_PROTECTED_ENDPOINTS, Triton, TritonConfig, TritonSecurityConfig
 
 from lightgen.serving.core import TRITON_MODEL_NAME as MODEL_NAME
-from lightgen.serving.core import Generator
-
-
-def answer_rows(generator: Generator, rows: list[bytes]) -> list[bytes]:
-    """JSON requests in, JSON answers out, one per row; a row that is not JSON gets an error answer."""
-    answers: list[dict | None] = [None] * len(rows)
-    requests, positions = [], []
-    for index, row in enumerate(rows):
-        try:
-            requests.append(json.loads(row))
-            positions.append(index)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            answers[index] = {"error": f"request is not JSON: {error}"}
-    for index, answer in zip(positions, generator.generate(requests), strict=True):
-        answers[index] = answer
-    return [json.dumps(answer).encode() for answer in answers]
+from lightgen.serving.core import Generator, answer_json
 
 
 def infer_function(generator: Generator):
     def infer(requests):
         # ``requests``: the client requests Triton's dynamic batcher merged, each with one or more rows.
         rows = [row[0] for request in requests for row in request["request"]]
-        answers = iter(answer_rows(generator, rows) if rows else [])
+        answers = iter(answer_json(generator, rows) if rows else [])
         return [{"response": np.array([[next(answers)] for _ in request["request"]], dtype=np.object_)}
                 for request in requests]
 
