@@ -10,17 +10,25 @@ import concurrent.futures
 import importlib
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import sysconfig
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
 
 from lightgen.demo import EXAMPLES, held_out_pairs, load_demo_model
 from lightgen.serving import EXTRA_PACKAGES
+from lightgen.serving.client import Client
 from lightgen.serving.launch import ServerProcess
 
+REPO = Path(__file__).resolve().parents[2]
 MAX_NEW_TOKENS = 60
 pytestmark = pytest.mark.serving
 
@@ -171,3 +179,47 @@ def test_triton_serves_a_saved_folder_and_stops_on_sigterm(tmp_path):
     assert answers == [{"output_ids": expected[:expected.index(2) + 1] if 2 in expected else expected},
                        {"error": "this model has no tokenizer: send 'input_ids'"}]
     _assert_clean_stop(process)
+
+
+def test_exported_repository_runs_on_a_standalone_tritonserver(tmp_path, direct):
+    """``--export-repository`` + the ``tritonserver`` binary PyTriton ships, started by hand as on a Triton
+    fleet (Triton's own Python backend, no PyTriton in the loop)."""
+    _require("triton")
+    import pytriton
+
+    from lightgen.serving.launch import free_port
+
+    subprocess.run([sys.executable, "-m", "lightgen.cli", "serve", "--export-repository", str(tmp_path / "models"),
+                    "--max-new-tokens", str(MAX_NEW_TOKENS), "--max-batch-size", "8"], check=True)
+    # A backend folder as Triton's containers lay it out: the Python backend plus the stub for this Python.
+    bundled = Path(pytriton.__file__).parent / "tritonserver"
+    backend = tmp_path / "backends" / "python"
+    shutil.copytree(bundled / "backends" / "python", backend)
+    shutil.copy(bundled / "python_backend_stubs" / sysconfig.get_python_version() / "triton_python_backend_stub",
+                backend)
+    port = free_port()
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # this venv
+               LD_LIBRARY_PATH=os.pathsep.join([str(Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"),
+                                                sysconfig.get_config_var("LIBDIR")]),
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    log = open(tmp_path / "tritonserver.log", "w")
+    process = subprocess.Popen(
+        [str(bundled / "bin" / "tritonserver"), "--model-repository", str(tmp_path / "models"),
+         "--backend-directory", str(tmp_path / "backends"), "--http-address", "127.0.0.1", "--http-port", str(port),
+         "--allow-grpc", "false", "--allow-metrics", "false"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        client = Client(f"http://127.0.0.1:{port}", "triton")
+        deadline = time.monotonic() + 240
+        while not client.ready():
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "tritonserver.log").read_text()
+            time.sleep(0.5)
+        answers = client.generate([{"text": EXAMPLES[0]}, {"text": EXAMPLES[0], "num_beams": 0}])
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+        log.close()
+    _, expected, _ = direct
+    assert answers[0]["output_ids"] == expected[EXAMPLES[0], 1]
+    assert answers[1] == {"error": "'num_beams' must be in [1, 8], got 0"}
+    assert process.returncode == 0
