@@ -134,3 +134,31 @@ def test_decoder_only_folder_token_ids_in_and_out(tmp_path):
         assert answer == {"output_ids": expected}
     assert answers[3] == {"error": "this model has no tokenizer: send 'input_ids'"}
     assert "exceed the model's 64 positions" in answers[4]["error"]
+
+
+def test_serve_command_checks_its_options(capsys):
+    from lightgen.cli import main
+
+    for argv, message in [(["--num-replicas", "2", "--max-replicas", "1"], "--max-replicas must be at least"),
+                          (["--max-batch-size", "0"], "--max-batch-size must be positive"),
+                          (["--backend", "ray", "--export-repository", "x"], "--export-repository is for --backend")]:
+        with pytest.raises(SystemExit):
+            main(["serve"] + argv)
+        assert message in capsys.readouterr().err
+
+
+def test_exported_triton_repository(tmp_path, monkeypatch):
+    """The files a standalone tritonserver loads (run for real in test_servers.py, with the triton extra)."""
+    import json
+
+    from lightgen.cli import main
+    from lightgen.demo import MODEL_DIR
+
+    monkeypatch.chdir(MODEL_DIR.parent)  # a relative model folder is written as an absolute one
+    main(["serve", "model", "--export-repository", str(tmp_path), "--max-batch-size", "12", "--max-delay-ms", "2.5",
+          "--max-new-tokens", "40"])
+    config = (tmp_path / "lightgen" / "config.pbtxt").read_text()
+    assert "max_batch_size: 12" in config and "max_queue_delay_microseconds: 2500" in config
+    options = json.loads(json.loads(config.split("string_value: ")[1].rsplit(" }", 2)[0]))
+    assert options["max_new_tokens"] == 40 and options["model_dir"] == str(MODEL_DIR)
+    assert "TritonPythonModel" in (tmp_path / "lightgen" / "1" / "model.py").read_text()
