@@ -141,7 +141,8 @@ class Generator:
         self.pad_id = next(i for i in (generation_config.pad_token_id, config.pad_token_id, 0) if i is not None)
         eos = generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # one generate at a time
+        self.stats_lock = threading.Lock()  # apart, so that reading stats never waits for a batch
         self.batch_sizes = collections.Counter()  # requests per generate() call -> count
         self.group_sizes = collections.Counter()  # rows per model.generate call -> count
 
@@ -174,7 +175,7 @@ class Generator:
                     tokenizer=self.tokenizer is not None, limits=dataclasses.asdict(self.limits))
 
     def stats(self) -> dict:
-        with self.lock:
+        with self.stats_lock:
             return dict(batch_sizes=dict(self.batch_sizes), group_sizes=dict(self.group_sizes))
 
     def parse(self, request) -> tuple[list[int], Settings]:
@@ -217,8 +218,9 @@ class Generator:
                 continue
             # Seeded sampling runs alone: its sample must not depend on which requests shared its batch.
             groups[(settings, index if settings.seed is not None else None)].append((index, ids))
-        with self.lock:
+        with self.stats_lock:
             self.batch_sizes[len(requests)] += 1
+        with self.lock:
             for (settings, _), members in groups.items():
                 for index, answer in zip([i for i, _ in members], self._run_group(settings, members), strict=True):
                     answers[index] = answer
@@ -231,7 +233,8 @@ class Generator:
             if len(members) > 1:
                 return [answer for member in members for answer in self._run_group(settings, [member])]
             return [{"error": f"generation failed: {type(error).__name__}: {error}"}]
-        self.group_sizes[len(members)] += 1
+        with self.stats_lock:
+            self.group_sizes[len(members)] += 1
         return [self._answer(row) for row in rows]
 
     def _generate(self, inputs: list[list[int]], settings: Settings) -> list[list[int]]:
