@@ -75,6 +75,7 @@ def draw(plt, payload):
         ax.plot([r["concurrency"] for r in rows], [r["p99_ms"] for r in rows], marker="o",
                 label=f"{run['backend']} + {run['provider']}")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")  # HF and lightgen differ by orders of magnitude here
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("p99 latency (ms)")
     ax.set_title(f"lightgen serve, demo model, greedy ({payload['environment']['cpu']})", fontsize=8)
