@@ -223,3 +223,17 @@ def test_exported_repository_runs_on_a_standalone_tritonserver(tmp_path, direct)
     assert answers[0]["output_ids"] == expected[EXAMPLES[0], 1]
     assert answers[1] == {"error": "'num_beams' must be in [1, 8], got 0"}
     assert process.returncode == 0
+
+
+def test_serve_benchmark_quick_run(tmp_path):
+    """benchmarks/serve.py end to end, kept small: Triton only, lightgen and HF inside (it exits non-zero
+    when their tokens differ or a server does not stop cleanly)."""
+    _require("triton")
+    result = subprocess.run([sys.executable, "benchmarks/serve.py", "--quick", "--backends", "triton", "--requests",
+                             "8", "--concurrency", "1", "4", "--out", str(tmp_path)], cwd=REPO, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    runs = json.loads((tmp_path / "serve.json").read_text())["runs"]
+    assert [(r["provider"], [level["requests"] for level in r["levels"]]) for r in runs] == [
+        ("lightgen", [8, 8]), ("hf", [8, 8])]
+    assert all(r["same_outputs"] for r in runs) and "| triton | lightgen | 4 |" in result.stdout
