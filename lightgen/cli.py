@@ -1,7 +1,7 @@
 """``lightgen`` command line: ``env`` (kernel report), ``demo`` (the shipped grammar corrector, HF vs
-lightgen), ``install-fairseq`` (the tested fairseq, for ``lightgen[fairseq]``), ``train-drafter``
-(a GAD drafter distilled from a verifier) and ``build-cuda`` (compile the CUDA kernels for chosen GPU
-architectures, with or without a GPU)."""
+lightgen), ``serve`` (a model behind Triton or Ray Serve), ``install-fairseq`` (the tested fairseq, for
+``lightgen[fairseq]``), ``train-drafter`` (a GAD drafter distilled from a verifier) and ``build-cuda``
+(compile the CUDA kernels for chosen GPU architectures, with or without a GPU)."""
 
 from __future__ import annotations
 
@@ -89,6 +89,34 @@ def build_cuda(archs: list[str]) -> None:
     print(f"lightgen: built {status.library_path} in {status.build_seconds:.0f} s")
 
 
+def serve(args, parser) -> None:
+    from lightgen.serving import ServeOptions, backend
+
+    for name in ("max_batch_size", "num_replicas", "threads", "max_input_tokens", "max_new_tokens", "max_replicas"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.max_replicas is not None and args.max_replicas < args.num_replicas:
+        parser.error("--max-replicas must be at least --num-replicas")
+    options = ServeOptions(
+        model_dir=args.model_dir, accelerate=not args.no_accelerate, threads=args.threads, host=args.host,
+        port=args.port, max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
+        max_input_tokens=args.max_input_tokens, max_new_tokens=args.max_new_tokens, grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port, workspace=args.workspace, num_replicas=args.num_replicas,
+        max_replicas=args.max_replicas, ray_address=args.ray_address)
+    if args.export_repository:
+        if args.backend != "triton":
+            parser.error("--export-repository is for --backend triton")
+        from lightgen.serving.triton_repository import write_repository
+
+        print(f"wrote {write_repository(options, args.export_repository)}")
+        return
+    try:
+        module = backend(args.backend)
+    except ImportError as error:
+        raise SystemExit(str(error)) from error
+    module.serve(options)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="lightgen", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -104,6 +132,30 @@ def main(argv=None) -> None:
     demo_parser.add_argument("--layers", type=int, default=3, help="--random-model only")
     demo_parser.add_argument("--src-len", type=int, default=32, help="--random-model only")
     demo_parser.add_argument("--new-tokens", type=int, default=24, help="--random-model only")
+    serve_parser = commands.add_parser(
+        "serve", help="serve a model (the demo model by default) behind Triton (lightgen[triton]) or Ray Serve "
+                      "(lightgen[ray]) until SIGINT/SIGTERM")
+    serve_parser.add_argument("model_dir", nargs="?", help="a save_pretrained folder (default: the demo model)")
+    serve_parser.add_argument("--backend", choices=["triton", "ray"], default="triton")
+    serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve_parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    serve_parser.add_argument("--no-accelerate", action="store_true", help="plain HF generate (for comparisons)")
+    serve_parser.add_argument("--threads", type=int, help="torch threads per model instance")
+    serve_parser.add_argument("--max-batch-size", type=int, default=32)
+    serve_parser.add_argument("--max-delay-ms", type=float, default=10.0,
+                              help="how long a batch's first request waits for batch-mates")
+    serve_parser.add_argument("--max-input-tokens", type=int, help="default: the model's positions")
+    serve_parser.add_argument("--max-new-tokens", type=int, help="cap and default per request (default 128)")
+    serve_parser.add_argument("--grpc-port", type=int, help="triton: default port + 1")
+    serve_parser.add_argument("--metrics-port", type=int, help="triton: default port + 2")
+    serve_parser.add_argument("--workspace", help="triton: PyTriton's model store (removed at shutdown)")
+    serve_parser.add_argument("--export-repository", metavar="DIR",
+                              help="triton: write a model repository for a standalone tritonserver and exit")
+    serve_parser.add_argument("--num-replicas", type=int, default=1, help="ray: model replicas")
+    serve_parser.add_argument("--max-replicas", type=int,
+                              help="ray: autoscale between --num-replicas and this many replicas")
+    serve_parser.add_argument("--ray-address", help="ray: an existing cluster ('auto' on a node of it); "
+                                                    "default: start a local one")
     commands.add_parser("install-fairseq", help="install the tested fairseq (after pip install 'lightgen[fairseq]')")
     commands.add_parser("train-drafter", add_help=False,
                         help="distil a GAD drafter for a verifier (lightgen train-drafter --help)")
@@ -129,6 +181,8 @@ def main(argv=None) -> None:
         train_drafter_main(rest)
     elif args.command == "build-cuda":
         build_cuda(args.arch)
+    elif args.command == "serve":
+        serve(args, parser)
     elif args.random_model:
         random_model_demo(args.layers, args.batch, args.src_len, args.new_tokens, args.repeats)
     else:

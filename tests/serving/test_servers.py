@@ -1,0 +1,239 @@
+"""Each backend for real: ``lightgen serve`` in a subprocess on 127.0.0.1, concurrent requests (bounded),
+answers equal to direct ``generate``, batches observed, bad requests refused while good ones are served,
+and a SIGTERM that leaves no process and no workspace behind.
+
+Needs ``lightgen[triton]`` / ``lightgen[ray]``; without them these tests skip, except under
+``LIGHTGEN_SERVING_TESTS=1`` (CI's serving run), where a missing extra fails.
+"""
+
+import concurrent.futures
+import importlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightgen.demo import EXAMPLES, held_out_pairs, load_demo_model
+from lightgen.serving import EXTRA_PACKAGES
+from lightgen.serving.client import Client
+from lightgen.serving.launch import ServerProcess
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_NEW_TOKENS = 60
+pytestmark = pytest.mark.serving
+
+
+def _require(backend):
+    if os.environ.get("LIGHTGEN_SERVING_TESTS") == "1":
+        importlib.import_module(EXTRA_PACKAGES[backend])  # CI's serving run installs both: fail, never skip
+    else:
+        pytest.importorskip(EXTRA_PACKAGES[backend], reason=f"needs pip install -e '.[{backend}]'")
+
+
+@pytest.fixture(scope="module", params=["triton", "ray"])
+def server(request):
+    _require(request.param)
+    # Triton is started as a shell's background job (SIGINT ignored) and stopped by SIGINT, which it must
+    # restore; Ray is stopped by SIGTERM (Triton's SIGTERM: test_triton_serves_a_saved_folder_and_stops_on_sigterm).
+    process = ServerProcess(request.param, ["--max-new-tokens", str(MAX_NEW_TOKENS), "--max-input-tokens", "64",
+                                            "--max-batch-size", "16", "--max-delay-ms", "100"],
+                            stop_signal=signal.SIGINT if request.param == "triton" else signal.SIGTERM,
+                            sigint_ignored=request.param == "triton")
+    with process as client:
+        yield client
+    _assert_clean_stop(process)
+
+
+def _assert_clean_stop(process):
+    assert process.returncode == 0, process.output[-3000:]
+    assert not process.leftovers, f"left running after the stop signal: {process.leftovers}"
+    assert not process.workspaces, f"PyTriton workspace left behind: {process.workspaces}"
+
+
+@pytest.fixture(scope="module")
+def direct():
+    """The sentences, and plain HF generate's answer for each (greedy and beam 2), one sentence at a time."""
+    model, tokenizer = load_demo_model()
+    sentences = EXAMPLES + held_out_pairs(10)[0]
+    answers = {}
+    for text in sentences:
+        for beams in (1, 2):
+            with torch.no_grad():
+                row = model.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=MAX_NEW_TOKENS,
+                                     num_beams=beams)[0].tolist()[1:]
+            answers[text, beams] = row[:row.index(2) + 1] if 2 in row else row
+    return sentences, answers, tokenizer
+
+
+def _concurrently(calls):
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
+def test_concurrent_requests_are_batched_and_equal_direct_generate(server, direct):
+    sentences, answers, tokenizer = direct
+    settings = [{}, {"num_beams": 2}, {"decoding": "iad"}]
+    requests = [dict(text=text, **settings[i % 3]) for i, text in enumerate(sentences)]
+    before = server.batch_sizes()
+    got = _concurrently([lambda r=r: server.generate([r])[0] for r in requests])
+    for request, answer in zip(requests, got, strict=True):
+        expected = answers[request["text"], request.get("num_beams", 1)]  # IAD gives greedy's tokens
+        assert answer == {"output_ids": expected,
+                          "text": tokenizer.decode(expected, skip_special_tokens=True).strip()}, request
+    after = server.batch_sizes()
+    new = {size: after.get(size, 0) - before.get(size, 0) for size in after}
+    assert sum(size * count for size, count in new.items()) == len(requests)
+    assert max(size for size, count in new.items() if count) > 1, f"no batch formed: {new}"
+
+
+def test_token_ids_in_and_out(server, direct):
+    sentences, answers, tokenizer = direct
+    ids = tokenizer(sentences[0])["input_ids"]
+    (answer,) = server.generate([{"input_ids": ids}])
+    assert answer["output_ids"] == answers[sentences[0], 1]
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch_mates(server, direct):
+    sentences, _, _ = direct
+    sample = {"text": sentences[1], "do_sample": True, "top_p": 0.9, "temperature": 1.3, "seed": 11}
+    first = server.generate([sample])[0]
+    crowd = _concurrently([lambda: server.generate([sample, {"text": sentences[2]}])[0]] +
+                          [lambda t=t: server.generate([{"text": t, "do_sample": True}])[0] for t in sentences[3:9]])
+    assert "output_ids" in first and crowd[0] == first
+
+
+def _raw(server, path, data: bytes):
+    request = urllib.request.Request(server.url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_bad_requests_are_refused_and_good_ones_still_served(server, direct):
+    sentences, answers, _ = direct
+    good = {"text": sentences[0]}
+    bad = [{"text": sentences[0], "num_beams": 99}, {"text": 5}, {"text": "word " * 100}, {"input_ids": [-1]},
+           {"text": "a", "colour": "red"}, {"text": "a", "decoding": "iad", "do_sample": True}, ["not", "a", "dict"]]
+    mixed = _concurrently([lambda: server.generate([good] + bad + [good])] +
+                          [lambda b=b: server.generate([b])[0] for b in bad])
+    mixed_answers, single_answers = mixed[0], mixed[1:]
+    assert mixed_answers[0] == mixed_answers[-1] and mixed_answers[0]["output_ids"] == answers[sentences[0], 1]
+    for answer in mixed_answers[1:-1] + single_answers:
+        assert list(answer) == ["error"] and answer["error"]
+    for requests in ([], [good] * 17):  # empty and oversize calls are refused whole
+        with pytest.raises(RuntimeError, match="refused"):
+            server.generate(requests)
+    if server.backend == "triton":
+        status, body = _raw(server, "/v2/models/lightgen/infer", json.dumps(
+            {"inputs": [{"name": "request", "shape": [1, 1], "datatype": "INT64", "data": [5]}]}).encode())
+        assert status == 400 and "INT64" in body["error"], body
+        status, body = _raw(server, "/v2/models/lightgen/infer", json.dumps(
+            {"inputs": [{"name": "request", "shape": [1, 1], "datatype": "BYTES", "data": ["{not json"]}]}).encode())
+        assert status == 200 and "request is not JSON" in json.loads(body["outputs"][0]["data"][0])["error"]
+    else:
+        assert _raw(server, "/generate", b"{not json")[0] == 400
+        status, body = _raw(server, "/generate", json.dumps({"text": "a", "num_beams": 0}).encode())
+        assert (status, body) == (400, {"error": "'num_beams' must be in [1, 8], got 0"})
+        assert _raw(server, "/generate", json.dumps(good).encode()) == (200, server.generate([good])[0])
+    assert server.ready()
+    assert server.generate([good])[0]["output_ids"] == answers[sentences[0], 1]
+
+
+def test_health_endpoints(server):
+    if server.backend == "triton":
+        for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/lightgen/ready"):
+            with urllib.request.urlopen(server.url + path, timeout=10) as response:
+                assert response.status == 200
+    else:
+        with urllib.request.urlopen(server.url + "/health", timeout=10) as response:
+            info = json.loads(response.read())
+        assert info["accelerated"] is True and info["model_type"] == "mbart"
+        assert info["limits"]["max_new_tokens"] == MAX_NEW_TOKENS and info["limits"]["max_batch_size"] == 16
+
+
+def test_triton_serves_a_saved_folder_and_stops_on_sigterm(tmp_path):
+    """A decoder-only model saved without a tokenizer: ids in and out; SIGTERM removes the workspace too."""
+    _require("triton")
+    from models import build
+
+    model = build("gpt2")
+    model.save_pretrained(tmp_path)
+    process = ServerProcess("triton", [str(tmp_path), "--max-new-tokens", "6"])
+    with process as client:
+        answers = client.generate([{"input_ids": [5, 6, 7]}, {"text": "hi"}])
+    with torch.no_grad():
+        row = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = row[0, 3:].tolist()
+    assert answers == [{"output_ids": expected[:expected.index(2) + 1] if 2 in expected else expected},
+                       {"error": "this model has no tokenizer: send 'input_ids'"}]
+    _assert_clean_stop(process)
+
+
+def test_exported_repository_runs_on_a_standalone_tritonserver(tmp_path, direct):
+    """``--export-repository`` + the ``tritonserver`` binary PyTriton ships, started by hand as on a Triton
+    fleet (Triton's own Python backend, no PyTriton in the loop)."""
+    _require("triton")
+    import pytriton
+
+    from lightgen.serving.launch import free_port
+
+    subprocess.run([sys.executable, "-m", "lightgen.cli", "serve", "--export-repository", str(tmp_path / "models"),
+                    "--max-new-tokens", str(MAX_NEW_TOKENS), "--max-batch-size", "8"], check=True)
+    # A backend folder as Triton's containers lay it out: the Python backend plus the stub for this Python.
+    bundled = Path(pytriton.__file__).parent / "tritonserver"
+    backend = tmp_path / "backends" / "python"
+    shutil.copytree(bundled / "backends" / "python", backend)
+    shutil.copy(bundled / "python_backend_stubs" / sysconfig.get_python_version() / "triton_python_backend_stub",
+                backend)
+    port = free_port()
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # this venv
+               LD_LIBRARY_PATH=os.pathsep.join([str(Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"),
+                                                sysconfig.get_config_var("LIBDIR")]),
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    log = open(tmp_path / "tritonserver.log", "w")
+    process = subprocess.Popen(
+        [str(bundled / "bin" / "tritonserver"), "--model-repository", str(tmp_path / "models"),
+         "--backend-directory", str(tmp_path / "backends"), "--http-address", "127.0.0.1", "--http-port", str(port),
+         "--allow-grpc", "false", "--allow-metrics", "false"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        client = Client(f"http://127.0.0.1:{port}", "triton")
+        deadline = time.monotonic() + 240
+        while not client.ready():
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "tritonserver.log").read_text()
+            time.sleep(0.5)
+        answers = client.generate([{"text": EXAMPLES[0]}, {"text": EXAMPLES[0], "num_beams": 0}])
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+        log.close()
+    _, expected, _ = direct
+    assert answers[0]["output_ids"] == expected[EXAMPLES[0], 1]
+    assert answers[1] == {"error": "'num_beams' must be in [1, 8], got 0"}
+    assert process.returncode == 0
+
+
+def test_serve_benchmark_quick_run(tmp_path):
+    """benchmarks/serve.py end to end, kept small: Triton only, lightgen and HF inside (it exits non-zero
+    when their tokens differ or a server does not stop cleanly)."""
+    _require("triton")
+    result = subprocess.run([sys.executable, "benchmarks/serve.py", "--quick", "--backends", "triton", "--requests",
+                             "8", "--concurrency", "1", "4", "--out", str(tmp_path)], cwd=REPO, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    runs = json.loads((tmp_path / "serve.json").read_text())["runs"]
+    assert [(r["provider"], [level["requests"] for level in r["levels"]]) for r in runs] == [
+        ("lightgen", [8, 8]), ("hf", [8, 8])]
+    assert all(r["same_outputs"] for r in runs) and "| triton | lightgen | 4 |" in result.stdout
