@@ -256,7 +256,8 @@ def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_proce
             sequences, gained = aggressive_greedy(
                 decoder, state, input_ids, model_kwargs.get("position_ids"), drafts,
                 set(eos.tolist()) if eos is not None else set(), int(pad) if pad is not None else 0,
-                generation_config.max_length, aggressive.max_draft, aggressive.acceptance, forced[0] if forced else None)
+                generation_config.max_length, aggressive.max_draft, aggressive.acceptance,
+                forced[0] if forced else None)
         finally:
             state.release()
     finally:
