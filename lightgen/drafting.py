@@ -368,8 +368,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, help="where to save (default: the demo drafter's folder)")
     parser.add_argument("--init", type=Path, help="continue training the drafter saved in this folder")
     parser.add_argument("--sentences", type=int, default=20000)
-    parser.add_argument("--targets", type=Path, help="cache of the verifier's greedy outputs (JSON): read if it "
-                        "exists, else written")
+    parser.add_argument("--targets", type=Path, help="cache of the source ids and the verifier's greedy outputs "
+                        "(JSON): used instead of --text/--sentences if it exists, else written")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -395,13 +395,14 @@ def main(argv=None) -> None:
         lines = [noiser(sentence, rng) for sentence in rng.sample(train, min(args.sentences, len(train)))]
     lines = lines[:args.sentences]
     started = time.time()
-    sources = tokenizer(lines)["input_ids"]
     if args.targets and args.targets.is_file():
-        targets = json.loads(args.targets.read_text())
+        cached = json.loads(args.targets.read_text())
+        sources, targets = cached["sources"], cached["targets"]
     else:
+        sources = tokenizer(lines)["input_ids"]
         targets = greedy_targets(verifier, sources, verifier.config.pad_token_id)
         if args.targets:
-            args.targets.write_text(json.dumps(targets))
+            args.targets.write_text(json.dumps(dict(sources=sources, targets=targets)))
     print(f"{len(sources)} greedy targets from the verifier in {time.time() - started:.0f}s", flush=True)
     drafter = NARDrafter.from_pretrained(args.init) if args.init else drafter_for(verifier)
     print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters", flush=True)

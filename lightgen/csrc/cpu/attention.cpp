@@ -2,6 +2,7 @@
 // cache position, then scale + mask + softmax + weighted sum run per (batch, head, query).
 #include <torch/library.h>
 #include <limits>
+#include "../include/attention_mask.h"
 #include "../include/checks.h"
 #include "../include/vec_math.h"
 
@@ -12,43 +13,10 @@ using at::Tensor;
 
 constexpr const char* kOp = "lightgen.attention";
 
-struct MaskView {
-  const bool* keep = nullptr;    // bool mask: true = attend
-  const float* add = nullptr;    // additive float mask
-  int64_t sb = 0, sh = 0, sq = 0;  // strides of the broadcast [B, Hq, Tq, Tk] view; last stride is 1
-
-  float bias(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    const int64_t off = b * sb + h * sh + i * sq + j;
-    if (keep) return keep[off] ? 0.f : -std::numeric_limits<float>::infinity();
-    return add ? add[off] : 0.f;
-  }
-};
-
-// The mask is read through a broadcast view; only its last dimension must be dense.
-Tensor prepare_mask(const Tensor& mask, int64_t B, int64_t Hq, int64_t Tq, int64_t Tk, MaskView& view) {
-  TORCH_CHECK(mask.device().is_cpu(), kOp, ": 'mask' must be on the CPU, got ", mask.device());
-  TORCH_CHECK(mask.dim() == 2 || mask.dim() == 4, kOp, ": 'mask' must be [B, Tk] or broadcastable to [B, Hq, Tq, Tk]",
-              " = [", B, ", ", Hq, ", ", Tq, ", ", Tk, "], got ", mask.sizes());
-  TORCH_CHECK(mask.size(-1) == Tk, kOp, ": 'mask' must cover all ", Tk, " cached keys, got last dimension ",
-              mask.size(-1));
-  Tensor m = mask.dim() == 2 ? mask.view({mask.size(0), 1, 1, Tk}) : mask;
-  m = m.scalar_type() == at::kBool ? m : m.to(at::kFloat);
-  TORCH_CHECK(m.stride(-1) == 1 || Tk == 1, kOp, ": the last dimension of 'mask' must be contiguous");
-  Tensor e;
-  try {
-    e = m.expand({B, Hq, Tq, Tk});
-  } catch (const c10::Error&) {
-    TORCH_CHECK(false, kOp, ": 'mask' of shape ", mask.sizes(), " does not broadcast to [B, Hq, Tq, Tk] = [", B,
-                ", ", Hq, ", ", Tq, ", ", Tk, "]");
-  }
-  view.sb = e.stride(0);
-  view.sh = e.stride(1);
-  view.sq = e.stride(2);
-  if (e.scalar_type() == at::kBool)
-    view.keep = e.data_ptr<bool>();
-  else
-    view.add = e.data_ptr<float>();
-  return m;  // keeps the storage alive
+float mask_bias(const MaskView& mask, int64_t b, int64_t h, int64_t i, int64_t j) {
+  const int64_t off = b * mask.sb + h * mask.sh + i * mask.sq + j;
+  if (mask.keep) return mask.keep[off] ? 0.f : -std::numeric_limits<float>::infinity();
+  return mask.add ? mask.add[off] : 0.f;
 }
 
 template <typename scalar_t>
@@ -95,7 +63,7 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
       const scalar_t* vb = v_base + b * vs0 + hk * vs1;
       float max_score = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j <= last; ++j) {
-        float s = row_dot(qf, as_float(kb + j * ks2, D, kbuf), D) * scale + mask.bias(b, h, i, j);
+        float s = row_dot(qf, as_float(kb + j * ks2, D, kbuf), D) * scale + mask_bias(mask, b, h, i, j);
         scores[j] = s;
         max_score = std::max(max_score, s);
       }
@@ -171,7 +139,10 @@ Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::o
 
   MaskView view;
   Tensor mask_keepalive;
-  if (mask) mask_keepalive = prepare_mask(*mask, B, Hq, Tq, Tmax, view);
+  if (mask) {
+    TORCH_CHECK(mask->device().is_cpu(), kOp, ": 'mask' must be on the CPU, got ", mask->device());
+    mask_keepalive = broadcast_mask(kOp, *mask, B, Hq, Tq, Tmax, view);
+  }
 
   Tensor out = at::empty({B, Tq, Hq, D}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), kOp, [&] {

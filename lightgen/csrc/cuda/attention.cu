@@ -5,6 +5,7 @@
 // cache length fits.
 #include <torch/library.h>
 #include <limits>
+#include "../include/attention_mask.h"
 #include "../include/cuda_common.cuh"
 
 namespace lightgen {
@@ -43,19 +44,13 @@ __global__ void write_kv_kernel(const scalar_t* __restrict__ k_new, const scalar
   }
 }
 
-struct MaskArgs {
-  const bool* keep = nullptr;  // bool mask: true = attend
-  const float* add = nullptr;  // additive float mask
-  int64_t sb = 0, sh = 0, sq = 0;  // strides of the broadcast [B, Hq, Tq, Tk] view; last stride is 1
-};
-
 // out[b, i, h, :] for query i of head h in batch row b; lane l holds dims l, l + 32, ... of the query
 // and of the running weighted sum.
 template <typename scalar_t, int kChunks>
 __global__ void __launch_bounds__(kWarps * 32)
     attention_kernel(const scalar_t* __restrict__ q, Strides3 qs, const scalar_t* __restrict__ k, Strides3 ks,
                      const scalar_t* __restrict__ v, Strides3 vs, const int64_t* __restrict__ cache_pos, bool has_new,
-                     int64_t max_len, int64_t group, int64_t dim, MaskArgs mask, float scale, bool causal,
+                     int64_t max_len, int64_t group, int64_t dim, MaskView mask, float scale, bool causal,
                      scalar_t* __restrict__ out) {
   __shared__ float part_max[kWarps], part_sum[kWarps], part_acc[kWarps][32 * kChunks];
   const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -123,35 +118,6 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int w = 0; w < kWarps; ++w) total += part_acc[w][d] * weight[w];
     o[d] = static_cast<scalar_t>(denom > 0.f ? total / denom : 0.f);  // no visible key: zeros
   }
-}
-
-// The mask is read through a broadcast view; only its last dimension must be dense.
-Tensor prepare_mask(const Tensor& mask, const Tensor& q, int64_t B, int64_t Hq, int64_t Tq, int64_t Tk,
-                    MaskArgs& args) {
-  LG_CHECK_CUDA(kOp, mask);
-  LG_CHECK_SAME_DEVICE(kOp, q, mask);
-  TORCH_CHECK(mask.dim() == 2 || mask.dim() == 4, kOp, ": 'mask' must be [B, Tk] or broadcastable to [B, Hq, Tq, Tk]",
-              " = [", B, ", ", Hq, ", ", Tq, ", ", Tk, "], got ", mask.sizes());
-  TORCH_CHECK(mask.size(-1) == Tk, kOp, ": 'mask' must cover all ", Tk, " cached keys, got last dimension ",
-              mask.size(-1));
-  Tensor m = mask.dim() == 2 ? mask.view({mask.size(0), 1, 1, Tk}) : mask;
-  m = m.scalar_type() == at::kBool ? m : m.to(at::kFloat);
-  TORCH_CHECK(m.stride(-1) == 1 || Tk == 1, kOp, ": the last dimension of 'mask' must be contiguous");
-  Tensor e;
-  try {
-    e = m.expand({B, Hq, Tq, Tk});
-  } catch (const c10::Error&) {
-    TORCH_CHECK(false, kOp, ": 'mask' of shape ", mask.sizes(), " does not broadcast to [B, Hq, Tq, Tk] = [", B,
-                ", ", Hq, ", ", Tq, ", ", Tk, "]");
-  }
-  args.sb = e.stride(0);
-  args.sh = e.stride(1);
-  args.sq = e.stride(2);
-  if (e.scalar_type() == at::kBool)
-    args.keep = e.data_ptr<bool>();
-  else
-    args.add = e.data_ptr<float>();
-  return m;  // keeps the storage alive
 }
 
 template <typename F>
@@ -228,9 +194,13 @@ Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::o
     TORCH_CHECK(Tq <= Tmax || !causal, kOp, ": causal attention needs at least as many keys as queries");
   }
 
-  MaskArgs mask_args;
+  MaskView mask_args;
   Tensor mask_keepalive;
-  if (mask) mask_keepalive = prepare_mask(*mask, q, B, Hq, Tq, Tmax, mask_args);
+  if (mask) {
+    TORCH_CHECK(mask->device() == q.device(), kOp, ": 'mask' must be on the device of 'q' (", q.device(),
+                "), got ", mask->device());
+    mask_keepalive = broadcast_mask(kOp, *mask, B, Hq, Tq, Tmax, mask_args);
+  }
 
   Tensor out = at::empty({B, Tq, Hq, D}, q.options());
   if (out.numel() == 0) return out;
