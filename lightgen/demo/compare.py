@@ -77,7 +77,7 @@ def run(sentences: int, batch: int, repeats: int) -> None:
         print(f"{name:<18}{seconds * 1e3:>10.1f}{words / seconds:>10.0f}{timings['HF greedy'] / seconds:>13.2f}x")
     print()
     for name, tokens in per_pass.items():
-        print(f"{name}: {tokens:.2f} generated tokens per decoder pass, where greedy takes one")
+        print(f"{name}: {tokens:.2f} tokens per pass (generated tokens per decoder pass; greedy: 1)")
     for label, hypotheses in (("greedy", greedy_text), ("beam 4", beam_text)):
         result = score(sources, hypotheses, references)
         print(f"held-out corrections, {label}: exact match {result['exact_match']:.2f}, edit precision "

@@ -260,9 +260,10 @@ def test_assistant_model_argument_runs_batched_gad(family, step_counter):
     """HF's assistant_model argument: lightgen drafts with it (GAD), batched, with greedy's tokens."""
     accelerated, reference, expected, kwargs = _greedy(family, 2, batch=3)
     assistant = build(family, seed=9)
+    hf_assistant = copy.deepcopy(assistant)  # lightgen accelerates the one it is given, in place
     got = accelerated.generate(**kwargs, assistant_model=assistant)
     assert torch.equal(got, expected)
     assert step_counter, "lightgen's decoder ran"
     single = {key: value[:1] for key, value in kwargs.items() if key in ("input_ids", "attention_mask")}
-    hf_assisted = reference.generate(**kwargs | single, assistant_model=copy.deepcopy(assistant))
+    hf_assisted = reference.generate(**kwargs | single, assistant_model=hf_assistant)
     assert torch.equal(accelerated.generate(**kwargs | single, assistant_model=assistant), hf_assisted)

@@ -140,15 +140,8 @@ Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::o
   LG_CHECK_FLOAT(kOp, q);
   LG_CHECK_CUDA_LIKE(kOp, q, k_cache);
   LG_CHECK_CUDA_LIKE(kOp, q, v_cache);
-  TORCH_CHECK(q.dim() == 4, kOp, ": 'q' must be [B, Hq, Tq, D], got ", q.sizes());
-  const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(3) == D, kOp,
-              ": 'k_cache' must be [B, Hkv, Tmax, D] with B = ", B, " and D = ", D, ", got ", k_cache.sizes());
-  const int64_t Hkv = k_cache.size(1), Tmax = k_cache.size(2);
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, kOp, ": query heads (", Hq, ") must be a multiple of key/value heads (", Hkv,
-              ")");
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), kOp, ": 'v_cache' must have the shape of 'k_cache' ",
-              k_cache.sizes(), ", got ", v_cache.sizes());
+  const AttentionShape shape = check_attention_shapes(kOp, q, k_cache, v_cache);
+  const int64_t B = shape.B, Hq = shape.Hq, Tq = shape.Tq, D = shape.D, Hkv = shape.Hkv, Tmax = shape.Tmax;
   TORCH_CHECK(D <= 32 * kMaxChunks, kOp, ": head_dim ", D, " is above the CUDA kernel's ", 32 * kMaxChunks);
   LG_CHECK_LAST_CONTIGUOUS(kOp, q);
   LG_CHECK_LAST_CONTIGUOUS(kOp, k_cache);

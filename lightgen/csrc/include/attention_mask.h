@@ -1,9 +1,28 @@
-// The attention mask as both attention kernels (CPU, CUDA) read it: through a broadcast
-// [B, Hq, Tq, Tk] view of a bool (true = attend) or additive float mask, last dimension dense.
+// What both attention kernels (CPU, CUDA) share: the shape checks of q and the caches, and the mask
+// read through a broadcast [B, Hq, Tq, Tk] view of a bool (true = attend) or additive float mask.
 #pragma once
 #include <ATen/ATen.h>
 
 namespace lightgen {
+
+struct AttentionShape {
+  int64_t B, Hq, Tq, D, Hkv, Tmax;
+};
+
+// q [B, Hq, Tq, D] against caches [B, Hkv, Tmax, D] (grouped-query: Hq a multiple of Hkv).
+inline AttentionShape check_attention_shapes(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                                             const at::Tensor& v_cache) {
+  TORCH_CHECK(q.dim() == 4, op, ": 'q' must be [B, Hq, Tq, D], got ", q.sizes());
+  const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(3) == D, op,
+              ": 'k_cache' must be [B, Hkv, Tmax, D] with B = ", B, " and D = ", D, ", got ", k_cache.sizes());
+  const int64_t Hkv = k_cache.size(1), Tmax = k_cache.size(2);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, op, ": query heads (", Hq, ") must be a multiple of key/value heads (", Hkv,
+              ")");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": 'v_cache' must have the shape of 'k_cache' ",
+              k_cache.sizes(), ", got ", v_cache.sizes());
+  return {B, Hq, Tq, D, Hkv, Tmax};
+}
 
 struct MaskView {
   const bool* keep = nullptr;      // bool mask: true = attend
