@@ -97,12 +97,12 @@ class Acceptance:
         if self.beta < 1 or self.tau < 0:
             raise ValueError(f"aggressive decoding needs beta >= 1 and tau >= 0, got beta={self.beta}, tau={self.tau}")
 
-    def accepted(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        """logits [N, 1 + K, V], drafts [N, K] (-1 after a row's draft) -> [N, K] bool: slot k passes."""
-        guesses = logits[:, :-1]
+    def accepted(self, logits: torch.Tensor, predictions: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """logits [N, 1 + K, V], their argmax ``predictions`` [N, 1 + K], drafts [N, K] (-1 after a row's
+        draft) -> [N, K] bool: slot k passes."""
         if self.beta == 1:
-            return guesses.argmax(-1) == drafts
-        log_probs = guesses.log_softmax(-1)
+            return predictions[:, :-1] == drafts
+        log_probs = logits[:, :-1].log_softmax(-1)
         best, candidates = log_probs.topk(self.beta, dim=-1)
         drafted = log_probs.gather(-1, drafts.clamp(min=0)[..., None])[..., 0]
         return (candidates == drafts[..., None]).any(-1) & (best[..., 0] - drafted <= self.tau)
@@ -135,8 +135,9 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
         draft_tensor = torch.full((len(live), width), -1, dtype=torch.long, device=logits.device)
         for slot, draft in enumerate(drafts):
             draft_tensor[slot, :len(draft)] = torch.tensor(draft, dtype=torch.long)
-        passed = acceptance.accepted(logits, draft_tensor).cumprod(-1).sum(-1).tolist() if width else [0] * len(live)
-        predictions = logits.argmax(-1).tolist()  # [rows, 1 + K]
+        best = logits.argmax(-1)  # [rows, 1 + K]
+        passed = acceptance.accepted(logits, best, draft_tensor).cumprod(-1).sum(-1).tolist()
+        predictions = best.tolist()
         rejected, finished = [], []
         for slot, row in enumerate(live):
             accepted = passed[slot]
