@@ -124,7 +124,8 @@ class NARDrafter(nn.Module):
         return drafter.to(dtype).eval()
 
 
-def _pad(rows: list[list[int]], value: int, device=None) -> torch.Tensor:
+def pad_rows(rows: list[list[int]], value: int, device=None) -> torch.Tensor:
+    """Token lists -> [len(rows), longest] int64, ``value`` after each row's end."""
     out = torch.full((len(rows), max(map(len, rows))), value, dtype=torch.long, device=device)
     for index, row in enumerate(rows):
         out[index, :len(row)] = torch.tensor(row, dtype=torch.long)
@@ -153,7 +154,7 @@ class _NARSession:
                                if encoder_mask is None else ~encoder_mask.bool())
             return
         sources = [row[:config.max_positions] or [config.pad_token_id] for row in sources]
-        source = _pad(sources, config.pad_token_id, device)
+        source = pad_rows(sources, config.pad_token_id, device)
         self.source_pad = _padding(sources, device)
         with torch.inference_mode():
             self.memory = drafter.encode(source, self.source_pad)
@@ -165,7 +166,7 @@ class _NARSession:
             return [[] for _ in rows]
         context = config.max_positions - block  # longer outputs draft from their most recent tokens
         targets = [output[-context:] + [drafter.mask_token_id] * block for output in outputs]
-        target = _pad(targets, config.pad_token_id, self.memory.device)
+        target = pad_rows(targets, config.pad_token_id, self.memory.device)
         target_pad = _padding(targets, self.memory.device)
         index = torch.tensor(rows, device=self.memory.device)
         with torch.inference_mode():
@@ -232,7 +233,7 @@ class _AssistantSession:
         width, block = max(map(len, unseen)), max(sizes)
         if block <= 0:
             return [[] for _ in rows]
-        tokens = _pad(unseen, 0, state.lengths.device)
+        tokens = pad_rows(unseen, 0, state.lengths.device)
         lengths = torch.tensor([len(row) for row in unseen], device=state.lengths.device)
         with torch.inference_mode():
             logits = decoder.step(state, tokens, self._positions(width), all_positions=True)
@@ -282,7 +283,7 @@ def greedy_targets(verifier, sources: list[list[int]], pad_token_id: int, batch_
     targets: list[list[int] | None] = [None] * len(sources)
     for begin in range(0, len(order), batch_size):
         chunk = order[begin:begin + batch_size]
-        input_ids = _pad([sources[i] for i in chunk], pad_token_id)
+        input_ids = pad_rows([sources[i] for i in chunk], pad_token_id)
         with torch.inference_mode():
             out = verifier.generate(input_ids=input_ids, attention_mask=input_ids.ne(pad_token_id), do_sample=False,
                                     num_beams=1, decoding="iad", **generate_kwargs)
@@ -303,7 +304,7 @@ def _training_batch(sources, targets, indices, block, mask_token_id, pad_token_i
         decoder_rows.append(target[:cut] + [mask_token_id] * block)
         label_rows.append(following + [IGNORE_INDEX] * (block - len(following)))
     source_rows = [sources[i] for i in indices]
-    return (_pad(source_rows, pad_token_id), _padding(source_rows), _pad(decoder_rows, pad_token_id),
+    return (pad_rows(source_rows, pad_token_id), _padding(source_rows), pad_rows(decoder_rows, pad_token_id),
             _padding(decoder_rows), torch.tensor(label_rows))
 
 

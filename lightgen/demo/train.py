@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from lightgen.demo import CORPUS, MODEL_DIR, correct, held_out_pairs, split
+from lightgen.drafting import pad_rows
 from lightgen.demo.noise import Noiser, join, number_pairs, score, words
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
@@ -122,20 +123,13 @@ def _batches(tokenizer, sources, targets, max_tokens, rng):
     batches.append(current)
     rng.shuffle(batches)
     for batch in batches:
-        yield (_pad([src[i] for i in batch], 1), _pad([tgt[i] for i in batch], -100))
+        yield (pad_rows([src[i] for i in batch], 1), pad_rows([tgt[i] for i in batch], -100))
 
 
 def _decoder_inputs(labels, start_id):
     """Labels shifted right behind the start token (mBART's own shift would start from the last token)."""
     inputs = torch.cat([torch.full_like(labels[:, :1], start_id), labels[:, :-1]], dim=1)
     return inputs.masked_fill(inputs == -100, 1)
-
-
-def _pad(rows, value):
-    out = torch.full((len(rows), max(map(len, rows))), value, dtype=torch.long)
-    for r, row in enumerate(rows):
-        out[r, :len(row)] = torch.tensor(row)
-    return out
 
 
 def main(argv=None) -> None:

@@ -20,6 +20,8 @@ from typing import Protocol
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
+from lightgen.drafting import pad_rows
+
 SUFFIX_LENGTHS = (1, 2, 3)
 
 
@@ -132,9 +134,7 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
         drafts = [[] for _ in live]
     while True:
         width = logits.shape[1] - 1
-        draft_tensor = torch.full((len(live), width), -1, dtype=torch.long, device=logits.device)
-        for slot, draft in enumerate(drafts):
-            draft_tensor[slot, :len(draft)] = torch.tensor(draft, dtype=torch.long)
+        draft_tensor = pad_rows(drafts, -1, logits.device)  # [rows, width]
         best = logits.argmax(-1)  # [rows, 1 + K]
         passed = acceptance.accepted(logits, best, draft_tensor).cumprod(-1).sum(-1).tolist()
         predictions = best.tolist()
@@ -179,12 +179,10 @@ def _draft(drafter, live, outputs, max_length, max_draft) -> list[list[int]]:
 
 def _verify(decoder, state, outputs, live, drafts, pad_token_id, dtype) -> torch.Tensor:
     """One decoder pass over ``[last token, draft]`` per row: logits [rows, 1 + K, V]."""
-    width = max(len(draft) for draft in drafts)
     device = state.next_position.device
-    tokens = torch.full((len(live), 1 + width), pad_token_id, dtype=dtype, device=device)
-    for slot, row in enumerate(live):
-        tokens[slot, 0] = outputs[row][-1]
-        tokens[slot, 1:1 + len(drafts[slot])] = torch.tensor(drafts[slot], dtype=dtype)
+    tokens = pad_rows([[outputs[row][-1], *draft] for row, draft in zip(live, drafts, strict=True)], pad_token_id,
+                      device).to(dtype)
+    width = tokens.shape[1] - 1
     # Padding after short drafts is computed and rolled back; clamp its positions into the table.
     positions = (state.next_position[:, None] + torch.arange(1 + width, device=device)).clamp(
         max=decoder.spec.position_limit - 1)
