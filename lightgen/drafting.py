@@ -26,7 +26,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from lightgen import ops
 
 CONFIG_NAME = "drafter_config.json"
 WEIGHTS_NAME = "drafter.safetensors"
@@ -97,6 +100,19 @@ class NARDrafter(nn.Module):
                               tgt_key_padding_mask=target_pad, memory_key_padding_mask=source_pad)
         return self.head(hidden[target == self.mask_token_id])
 
+    def drafting_layers(self) -> "_DraftingLayers | None":
+        """The decoder as drafting runs it on lightgen's kernels (float32 CPU weights), made again when a
+        Parameter changed since (training, ``load_state_dict``); None where the kernels do not apply."""
+        parameters = list(self.parameters())
+        if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in parameters):
+            return None
+        signature = tuple((p._version, p.data_ptr()) for p in parameters)
+        layers = self.__dict__.get("_drafting_layers")
+        if layers is None or layers.signature != signature:
+            layers = _DraftingLayers(self, signature)
+            self.__dict__["_drafting_layers"] = layers
+        return layers
+
     def start(self, sources: list[list[int]], encoder_hidden=None, encoder_mask=None) -> "_NARSession":
         """Bind to one call's inputs; ``encoder_hidden`` [N, S, E] (+ ``encoder_mask``) is the verifier's
         encoder output, which a drafter without its own encoder reads instead of ``sources``."""
@@ -122,6 +138,81 @@ class NARDrafter(nn.Module):
         state = {name: tensor.to(dtype) for name, tensor in load_file(directory / WEIGHTS_NAME).items()}
         drafter.load_state_dict(state)
         return drafter.to(dtype).eval()
+
+
+class _DraftingLayers:
+    """``NARDrafter.decode`` for drafting, without autograd or nn.TransformerDecoder's per-call work:
+    every linear layer on packed weights (``ops.linear``, GELU fused), residual adds fused into the
+    LayerNorms, attention by SDPA, and the cross-attention K/V of a call's encoder output computed
+    once per call (``cross_keys_values``) instead of once per draft."""
+
+    def __init__(self, drafter: NARDrafter, signature) -> None:
+        from lightgen.modules.linear import packed_weights
+
+        def packed(weight, bias):
+            return packed_weights(weight, None), None if bias is None else bias.detach()
+
+        self.signature = signature
+        self.heads = drafter.config.heads
+        self.tokens = drafter.tokens.weight.detach()
+        self.positions = drafter.target_positions.weight.detach()
+        self.layers = []
+        for layer in drafter.decoder.layers:
+            width = layer.multihead_attn.embed_dim
+            cross_weight, cross_bias = layer.multihead_attn.in_proj_weight, layer.multihead_attn.in_proj_bias
+            self.layers.append(dict(
+                norms=[(norm.weight.detach(), norm.bias.detach(), norm.eps)
+                       for norm in (layer.norm1, layer.norm2, layer.norm3)],
+                self_in=packed(layer.self_attn.in_proj_weight, layer.self_attn.in_proj_bias),
+                self_out=packed(layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias),
+                cross_q=packed(cross_weight[:width], cross_bias[:width]),
+                cross_kv=(cross_weight[width:].detach(), cross_bias[width:].detach()),
+                cross_out=packed(layer.multihead_attn.out_proj.weight, layer.multihead_attn.out_proj.bias),
+                up=packed(layer.linear1.weight, layer.linear1.bias),
+                down=packed(layer.linear2.weight, layer.linear2.bias),
+            ))
+        final = drafter.decoder.norm
+        self.final_norm = (final.weight.detach(), final.bias.detach(), final.eps)
+        self.head = packed(drafter.head.weight, drafter.head.bias)
+        self.mask_token_id = drafter.mask_token_id
+
+    def _split_heads(self, x: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
+        rows, width = x.shape[0], x.shape[1]
+        return x.view(rows, width, parts, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def cross_keys_values(self, memory: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """memory [N, S, E] -> per layer (K, V) [N, H, S, E/H]."""
+        return [self._split_heads(F.linear(memory, *layer["cross_kv"]), 2) for layer in self.layers]
+
+    def decode(self, cross, source_keep: torch.Tensor, target: torch.Tensor, target_pad: torch.Tensor):
+        """As ``NARDrafter.decode``; ``cross`` from ``cross_keys_values``, ``source_keep`` [B, S] True at
+        real source tokens."""
+        rows, width = target.shape
+        x = F.embedding(target, self.tokens) + self.positions[:width]
+        self_mask = ~target_pad[:, None, None, :]
+        cross_mask = source_keep[:, None, None, :]
+        h = ops.layer_norm(x, *self.layers[0]["norms"][0])
+        for index, (layer, (keys, values)) in enumerate(zip(self.layers, cross, strict=True)):
+            q, k, v = self._split_heads(_run(layer["self_in"], h), 3)
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=self_mask)
+            x, h = ops.add_layer_norm(_run(layer["self_out"], _merge_heads(attended)), x, *layer["norms"][1])
+            q, = self._split_heads(_run(layer["cross_q"], h), 1)
+            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=cross_mask)
+            x, h = ops.add_layer_norm(_run(layer["cross_out"], _merge_heads(attended)), x, *layer["norms"][2])
+            # The next layer's first LayerNorm (the final one after the last layer) takes the residual add.
+            following = self.layers[index + 1]["norms"][0] if index + 1 < len(self.layers) else self.final_norm
+            x, h = ops.add_layer_norm(_run(layer["down"], _run(layer["up"], h, "gelu")), x, *following)
+        return _run(self.head, h[target == self.mask_token_id])
+
+
+def _run(weights, x: torch.Tensor, act: str = "none") -> torch.Tensor:
+    packed, bias = weights
+    return packed.run(x, bias, act)
+
+
+def _merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, D] -> [B, T, H * D]."""
+    return x.transpose(1, 2).flatten(2)
 
 
 def pad_rows(rows: list[list[int]], value: int, device=None) -> torch.Tensor:
@@ -152,12 +243,16 @@ class _NARSession:
             self.memory = encoder_hidden.to(drafter.head.weight.dtype)
             self.source_pad = (torch.zeros(encoder_hidden.shape[:2], dtype=torch.bool, device=device)
                                if encoder_mask is None else ~encoder_mask.bool())
-            return
-        sources = [row[:config.max_positions] or [config.pad_token_id] for row in sources]
-        source = pad_rows(sources, config.pad_token_id, device)
-        self.source_pad = _padding(sources, device)
-        with torch.inference_mode():
-            self.memory = drafter.encode(source, self.source_pad)
+        else:
+            sources = [row[:config.max_positions] or [config.pad_token_id] for row in sources]
+            source = pad_rows(sources, config.pad_token_id, device)
+            self.source_pad = _padding(sources, device)
+            with torch.inference_mode():
+                self.memory = drafter.encode(source, self.source_pad)
+        self.layers = drafter.drafting_layers()
+        if self.layers is not None:
+            with torch.inference_mode():
+                self.cross = self.layers.cross_keys_values(self.memory)
 
     def draft(self, rows, outputs, sizes):
         config, drafter = self.drafter.config, self.drafter
@@ -170,8 +265,12 @@ class _NARSession:
         target_pad = _padding(targets, self.memory.device)
         index = torch.tensor(rows, device=self.memory.device)
         with torch.inference_mode():
-            logits = drafter.decode(self.memory.index_select(0, index), self.source_pad.index_select(0, index),
-                                    target, target_pad)
+            if self.layers is None:
+                logits = drafter.decode(self.memory.index_select(0, index), self.source_pad.index_select(0, index),
+                                        target, target_pad)
+            else:
+                cross = [(keys.index_select(0, index), values.index_select(0, index)) for keys, values in self.cross]
+                logits = self.layers.decode(cross, ~self.source_pad.index_select(0, index), target, target_pad)
         return logits.argmax(-1).view(len(rows), block).tolist()
 
     def close(self) -> None:

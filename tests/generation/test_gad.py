@@ -8,7 +8,7 @@ import torch
 from models import DECODER_ONLY, SEQ2SEQ, VOCAB, build, padded_batch
 
 import lightgen
-from lightgen.drafting import DrafterConfig, NARDrafter, greedy_targets, train_drafter
+from lightgen.drafting import DrafterConfig, NARDrafter, _padding, greedy_targets, pad_rows, train_drafter
 from lightgen.generation.aggressive import Acceptance, CopyFromInput, aggressive_greedy
 
 GENERATING = SEQ2SEQ + DECODER_ONLY
@@ -42,6 +42,39 @@ def test_gad_with_an_untrained_drafter_equals_greedy(family, seed, block_size):
         shared = _random_drafter(seed, encoder_layers=0)
         assert torch.equal(accelerated.generate(**kwargs, decoding="gad", drafter=shared, block_size=block_size),
                            expected)
+
+
+@pytest.mark.parametrize("encoder_layers", [0, 1])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_drafting_on_the_kernels_equals_the_module(encoder_layers, seed):
+    """Drafting runs ``drafting_layers()`` (packed weights, cross K/V once per call): the same logits as
+    the nn.Module, for padded rows of different lengths and block sizes, and again after the weights change."""
+    drafter = _random_drafter(seed, encoder_layers)
+    gen = torch.Generator().manual_seed(seed)
+    sources = [torch.randint(3, VOCAB, (length,), generator=gen).tolist() for length in (7, 3, 11)]
+    memory = torch.randn(3, 11, 32, generator=gen)
+    keep = torch.arange(11) < torch.tensor([7, 3, 11])[:, None]
+    session = drafter.start(sources, memory, keep.long())
+    targets = [[2, 5, 9] + [drafter.mask_token_id] * 4, [2] + [drafter.mask_token_id] * 2,
+               [2, 7, 7, 8, 9, 10] + [drafter.mask_token_id] * 8]
+    target, target_pad = pad_rows(targets, 1), _padding(targets)
+    for _ in range(2):
+        layers = drafter.drafting_layers()
+        with torch.inference_mode():
+            expected = drafter.decode(session.memory, session.source_pad, target, target_pad)
+            got = layers.decode(layers.cross_keys_values(session.memory), ~session.source_pad, target, target_pad)
+        assert got.shape == (14, VOCAB)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        with torch.no_grad():
+            drafter.decoder.layers[0].linear1.weight.mul_(3.0)  # an optimizer step would do this in place
+    assert drafter.drafting_layers() is not layers
+
+
+def test_drafting_outside_float32_cpu_runs_the_module():
+    drafter = _random_drafter(0).to(torch.bfloat16)
+    assert drafter.drafting_layers() is None
+    session = drafter.start([[5, 6, 7]])
+    assert len(session.draft([0], [[2, 5]], [3])[0]) == 3
 
 
 def test_a_drafter_without_an_encoder_refuses_decoder_only_verifiers():
