@@ -7,6 +7,7 @@ No ``from __future__ import annotations``: fairseq reads the config dataclass's 
 import copy
 import warnings
 from dataclasses import dataclass, field
+from typing import Optional
 
 from fairseq import search
 from fairseq.dataclass import ChoiceEnum
@@ -15,12 +16,13 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 import lightgen
 from lightgen import ops
-from lightgen.adapters.fairseq import AggressiveGenerator, allow_fairseq_checkpoints, check_supported, iad_unsupported
+from lightgen.adapters.fairseq import aggressive_generator, allow_fairseq_checkpoints, check_supported
 
 # fairseq-generate / -interactive load checkpoints after importing --user-dir.
 allow_fairseq_checkpoints()
 
-DECODINGS = ChoiceEnum(["beam", "greedy", "sampling", "iad"])
+DECODINGS = ChoiceEnum(["beam", "greedy", "sampling", "iad", "gad"])
+AGGRESSIVE = ("iad", "gad")
 
 
 @dataclass
@@ -28,9 +30,16 @@ class TranslationLightgenConfig(TranslationConfig):
     lightgen_decoding: DECODINGS = field(default="beam", metadata={
         "help": "beam: fairseq's generation flags decide (--beam, --sampling, --diverse-beam-groups, ...); "
                 "greedy: beam size 1; sampling: as --sampling (with --sampling-topk/topp, --temperature); "
-                "iad: greedy's hypotheses by input-guided aggressive decoding (drafts copied from the source)"})
+                "iad: greedy's hypotheses by input-guided aggressive decoding (drafts copied from the source); "
+                "gad: greedy's hypotheses with drafts from --lightgen-drafter"})
     lightgen_block_size: int = field(default=16, metadata={
-        "help": "iad: the most draft tokens one decoder pass verifies"})
+        "help": "iad/gad: the most draft tokens one decoder pass verifies"})
+    lightgen_drafter: Optional[str] = field(default=None, metadata={
+        "help": "gad: folder of a lightgen NARDrafter trained for this model (NARDrafter.save_pretrained)"})
+    lightgen_beta: int = field(default=1, metadata={
+        "help": "gad: keep a draft token among the model's top-beta (1: greedy's output exactly; >1: GAD++)"})
+    lightgen_tau: float = field(default=0.0, metadata={
+        "help": "gad with beta > 1: ... and at most tau below the best log-probability"})
 
 
 class BeamTopkSearch(search.BeamSearch):
@@ -59,8 +68,8 @@ def _unsupported(args) -> str | None:
 @register_task("translation_lightgen", dataclass=TranslationLightgenConfig)
 class TranslationLightgenTask(TranslationTask):
     """``translation`` whose ``build_generator`` accelerates the models (in place) and uses lightgen's
-    beam selection, or IAD for greedy decoding; flags lightgen does not cover keep fairseq's own generator
-    (or, for IAD, plain greedy decoding), with a warning."""
+    beam selection, or IAD / GAD for greedy decoding; flags lightgen does not cover keep fairseq's own
+    generator (or, for IAD / GAD, plain greedy decoding), with a warning."""
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None):
@@ -80,11 +89,11 @@ class TranslationLightgenTask(TranslationTask):
         generator = super().build_generator(models, args, seq_gen_cls=seq_gen_cls,
                                             extra_gen_cls_kwargs=extra_gen_cls_kwargs,
                                             prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
-        if reason is None and self.cfg.lightgen_decoding == "iad":
-            iad_reason = iad_unsupported(generator)
-            if iad_reason is None:
-                return AggressiveGenerator(generator, self.source_dictionary, self.cfg.lightgen_block_size)
-            warnings.warn(f"lightgen: {iad_reason}; running plain greedy decoding", RuntimeWarning, stacklevel=2)
+        if reason is None and self.cfg.lightgen_decoding in AGGRESSIVE:
+            cfg = self.cfg
+            return aggressive_generator(generator, self.source_dictionary, cfg.lightgen_decoding,
+                                        cfg.lightgen_block_size, cfg.lightgen_drafter, cfg.lightgen_beta,
+                                        cfg.lightgen_tau)
         if reason is None and type(getattr(generator, "search", None)) is search.BeamSearch:
             generator.search = BeamTopkSearch(self.target_dictionary)
         return generator
@@ -96,7 +105,7 @@ class TranslationLightgenTask(TranslationTask):
         if getattr(args, "sampling", False) and decoding != "sampling":
             raise ValueError(f"--lightgen-decoding {decoding} contradicts --sampling")
         args = copy.deepcopy(args)
-        if decoding in ("greedy", "iad"):
+        if decoding in ("greedy", *AGGRESSIVE):
             if getattr(args, "nbest", 1) > 1:
                 raise ValueError(f"--lightgen-decoding {decoding} returns one hypothesis; got --nbest {args.nbest}")
             args.beam = 1

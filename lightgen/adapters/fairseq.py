@@ -9,9 +9,11 @@ fairseq's. The decoding state lives in the ``incremental_state`` dict fairseq cr
 ``generate`` call, so concurrent calls and ensemble members never share one. The encoder keeps
 fairseq's forward (prefill gains nothing from the decode kernels).
 
-Greedy decoding can also run as input-guided aggressive decoding (``AggressiveGenerator``, the plugin's
-``--lightgen-decoding iad``): there lightgen runs the loop (``generation.aggressive.iad_greedy``) and
-applies greedy's rules to every verified position, so hypotheses and scores are still fairseq's.
+Greedy decoding can also run as aggressive decoding (``AggressiveGenerator``; the plugin's
+``--lightgen-decoding iad|gad``, or ``hub.translate(..., beam=1, lightgen_decoding="iad")``): there
+lightgen runs the loop (``generation.aggressive.aggressive_greedy``) with drafts copied from the source
+(IAD) or proposed by a ``NARDrafter`` (GAD), and applies greedy's rules to every verified position, so
+hypotheses and scores are still fairseq's (GAD++, ``beta > 1``, relaxes greedy's choice by design).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import nn
 
 from lightgen._compat import check_fairseq_version
 from lightgen.adapters.base import UnsupportedModelError
-from lightgen.generation.aggressive import iad_greedy
+from lightgen.generation.aggressive import GREEDY, Acceptance, CopyFromInput, aggressive_greedy
 from lightgen.modules.block import BlockSpec
 from lightgen.modules.decoder import AttentionWeights, DecodeState, Decoder, DecoderLayerWeights, DecoderSpec
 
@@ -242,6 +244,62 @@ def patch_fairseq(obj, patcher) -> None:
         patcher.set(decoder, "forward", decoder_forward.__get__(decoder))
         patcher.set(decoder, "reorder_incremental_state_scripting", decoder_reorder.__get__(decoder))
         patcher.patched.append(f"{type(model).__name__}.decoder: incremental steps on lightgen's static-cache decoder")
+    if isinstance(obj, GeneratorHubInterface):
+        task = obj.task
+        patcher.set(task, "_lightgen_build_generator", task.build_generator)
+        patcher.set(task, "build_generator", _hub_build_generator.__get__(task))
+        patcher.patched.append(f"{type(task).__name__}.build_generator: lightgen_decoding='iad'|'gad' runs aggressive "
+                               f"decoding")
+
+
+AGGRESSIVE_SETTINGS = dict(lightgen_block_size=16, lightgen_drafter=None, lightgen_beta=1, lightgen_tau=0.0)
+
+
+def _hub_build_generator(task, models, args, **kwargs):
+    """The hub task's ``build_generator``; ``hub.translate(..., lightgen_decoding="iad"|"gad")`` (with
+    ``lightgen_block_size``, ``lightgen_drafter``, ``lightgen_beta``, ``lightgen_tau`` as the plugin's
+    flags) returns an ``AggressiveGenerator`` over it."""
+    generator = task._lightgen_build_generator(models, args, **kwargs)
+    decoding = getattr(args, "lightgen_decoding", None) or "beam"
+    if decoding == "beam":
+        return generator
+    if decoding not in ("iad", "gad"):
+        raise ValueError(f"lightgen_decoding must be 'beam', 'iad' or 'gad' here, got {decoding!r}")
+    if getattr(args, "beam", None) != 1:
+        raise ValueError(f"lightgen_decoding={decoding!r} is greedy decoding: pass beam=1")
+    settings = {name: getattr(args, name, default) for name, default in AGGRESSIVE_SETTINGS.items()}
+    return aggressive_generator(generator, task.source_dictionary, decoding, **settings)
+
+
+def encoder_for_drafting(model):
+    """``model``'s encoder as ``lightgen.drafting.train_drafter`` calls a verifier's (``verifier_encoder``):
+    right-padded ids [B, S] and their mask -> ([B, S, E],), so a drafter learns from this model's encoder
+    output, which GAD gives it at generation time."""
+    def encode(input_ids, attention_mask):
+        out = model.encoder(input_ids, src_lengths=attention_mask.sum(-1))
+        return (out["encoder_out"][0].transpose(0, 1),)
+    return encode
+
+
+def aggressive_generator(generator, src_dict, decoding: str, lightgen_block_size: int = 16,
+                         lightgen_drafter=None, lightgen_beta: int = 1, lightgen_tau: float = 0.0):
+    """``generator`` (fairseq greedy) as IAD or GAD when they can reproduce it, else ``generator`` itself
+    with a warning saying why. GAD needs ``lightgen_drafter``: a ``NARDrafter`` or its folder."""
+    from lightgen.drafting import NARDrafter
+
+    drafter = None
+    if decoding == "gad":
+        if lightgen_drafter is None:
+            raise ValueError("lightgen: GAD needs a drafter (--lightgen-drafter DIR, a NARDrafter folder saved by "
+                             "save_pretrained)")
+        drafter = (lightgen_drafter if isinstance(lightgen_drafter, NARDrafter)
+                   else NARDrafter.from_pretrained(lightgen_drafter))
+    reason = iad_unsupported(generator)
+    if reason is None:
+        return AggressiveGenerator(generator, src_dict, lightgen_block_size, drafter=drafter,
+                                   acceptance=Acceptance(lightgen_beta, lightgen_tau))
+    warnings.warn(f"lightgen: {reason}; running plain greedy decoding", RuntimeWarning, stacklevel=3)
+    return generator
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,7 +339,10 @@ class _FairseqGreedyScores:
         self.spec = decoder.spec
         self.generator = generator
         self.max_len = max_len
-        self.best: list[torch.Tensor] = []  # per pass: [rows decoding in that pass, positions fed]
+        # Per pass, [rows decoding in that pass, positions fed]: the best score at each position, and the
+        # token fed next (the draft's; -1 after the last) with its score: the score of an accepted draft token
+        # that is not the best (GAD++).
+        self.passes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def step(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor | None = None,
              all_positions: bool = False) -> torch.Tensor:
@@ -299,7 +360,9 @@ class _FairseqGreedyScores:
         eos = lprobs[..., gen.eos].clone()
         lprobs.masked_fill_((positions >= self.max_len)[..., None], -math.inf)
         lprobs[..., gen.eos] = eos.masked_fill(positions < gen.min_len, -math.inf)
-        self.best.append(lprobs.max(-1).values)
+        following = F.pad(tokens[:, 1:], (0, 1), value=-1) if all_positions else torch.full_like(tokens[:, -1:], -1)
+        drafted = lprobs.gather(-1, following.clamp(min=0)[..., None])[..., 0]
+        self.passes.append((lprobs.max(-1).values, following, drafted))
         return lprobs if all_positions else lprobs[:, 0]
 
 
@@ -323,28 +386,41 @@ class AggressiveStats:
 
 
 class AggressiveGenerator:
-    """fairseq greedy decoding by input-guided aggressive decoding (IAD) on lightgen's decoder.
+    """fairseq greedy decoding by aggressive decoding on lightgen's decoder: IAD, or GAD with a drafter.
 
     Wraps a beam-1 ``SequenceGenerator`` (see ``iad_unsupported``) and returns the hypotheses it would:
-    each row drafts up to ``block_size`` tokens copied from its source sentence, one decoder pass verifies
-    them against fairseq's greedy choice (``_FairseqGreedyScores``), and the row keeps the agreeing prefix
-    plus the verifier's own token. Scores come from the verifying passes. Each hypothesis also carries
-    ``iterations`` (its sentence's decoder passes) and ``tokens_per_iteration``; ``stats`` keeps running
-    totals, which are logged after each batch. Prefix tokens and constraints run the wrapped generator.
+    each row drafts up to ``block_size`` tokens, copied from its source sentence (IAD) or proposed by
+    ``drafter`` (a ``lightgen.drafting.NARDrafter`` for this model's target vocabulary, reading its encoder
+    output: GAD); one decoder pass verifies them against fairseq's greedy choice (``_FairseqGreedyScores``),
+    and the row keeps the agreeing prefix plus the verifier's own token (``acceptance``: GAD++ with
+    ``beta > 1`` also keeps near-best draft tokens). Scores come from the verifying passes. Each hypothesis
+    also carries ``iterations`` (its sentence's decoder passes) and ``tokens_per_iteration``; ``stats``
+    keeps running totals, which are logged after each batch. Prefix tokens and constraints run the
+    wrapped generator.
 
-    ``src_dict``: the source dictionary, when it is not the target's; drafts are source words looked up
-    in the target dictionary. Another drafting method (a drafter model) replaces ``draft_sources`` or the
-    ``iad_greedy`` call; the encoder pass, the greedy rules and the hypotheses stay.
+    ``src_dict``: the source dictionary, when it is not the target's; IAD's drafts are source words looked
+    up in the target dictionary.
     """
 
-    def __init__(self, generator: SequenceGenerator, src_dict=None, block_size: int = 16) -> None:
+    def __init__(self, generator: SequenceGenerator, src_dict=None, block_size: int = 16, drafter=None,
+                 acceptance: Acceptance = GREEDY) -> None:
         reason = iad_unsupported(generator)
         if reason is not None:
             raise ValueError(f"lightgen: {reason}")
         if block_size < 1:
-            raise ValueError(f"lightgen: the IAD block size must be >= 1, got {block_size}")
+            raise ValueError(f"lightgen: the draft block size must be >= 1, got {block_size}")
+        if drafter is not None:
+            width = generator.model.single_model.encoder.embed_tokens.embedding_dim
+            config = drafter.config
+            if config.vocab_size != len(generator.tgt_dict) or (not config.encoder_layers and config.d_model != width):
+                raise ValueError(f"lightgen: the drafter (vocabulary {config.vocab_size}, width {config.d_model}) was "
+                                 f"not made for this model (target vocabulary {len(generator.tgt_dict)}, encoder "
+                                 f"width {width})")
         self.generator = generator
         self.block_size = block_size
+        self.drafter = drafter
+        self.acceptance = acceptance
+        self.method = "IAD" if drafter is None else "GAD" if acceptance.beta == 1 else "GAD++"
         self.tgt_dict = generator.tgt_dict
         self.eos = generator.eos
         self.symbols_to_strip_from_output = generator.symbols_to_strip_from_output
@@ -360,8 +436,8 @@ class AggressiveGenerator:
         """``SequenceGenerator.generate``: per sentence, a list with its one hypothesis."""
         if prefix_tokens is not None or constraints is not None:
             if not self._warned:
-                warnings.warn("lightgen: IAD does not implement prefix tokens or constraints; running fairseq "
-                              "greedy", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"lightgen: {self.method} does not implement prefix tokens or constraints; running "
+                              f"fairseq greedy", RuntimeWarning, stacklevel=2)
                 self._warned = True
             return self.generator.generate(models, sample, prefix_tokens=prefix_tokens, constraints=constraints,
                                            bos_token=bos_token)
@@ -379,17 +455,26 @@ class AggressiveGenerator:
         scoring = _FairseqGreedyScores(decoder, gen, max_len)
         prompt = torch.full((rows, 1), self.eos if bos_token is None else bos_token, dtype=torch.long,
                             device=src_tokens.device)
+        drafting = self._start_drafting(src_tokens, encoder_out)
         try:
-            sequences, gained = iad_greedy(scoring, state, prompt, prompt_positions=None,
-                                           sources=self.draft_sources(src_tokens), eos_ids={self.eos},
-                                           pad_token_id=gen.pad, max_length=max_len + 2, max_draft=self.block_size)
+            sequences, gained = aggressive_greedy(scoring, state, prompt, None, drafting, {self.eos}, gen.pad,
+                                                  max_len + 2, self.block_size, self.acceptance)
         finally:
+            drafting.close()
             state.release()
         batch = AggressiveStats()
         batch.add(gained)
         self.stats.add(gained)
-        logger.info("lightgen IAD: %s (all so far: %s)", batch, self.stats)
-        return self._hypotheses(sequences, gained, scoring.best)
+        logger.info("lightgen %s: %s (all so far: %s)", self.method, batch, self.stats)
+        return self._hypotheses(sequences, gained, scoring.passes)
+
+    def _start_drafting(self, src_tokens, encoder_out):
+        sources = self.draft_sources(src_tokens)
+        if self.drafter is None:
+            return CopyFromInput(sources)
+        padding = encoder_out["encoder_padding_mask"]
+        return self.drafter.start(sources, encoder_out["encoder_out"][0].transpose(0, 1),
+                                  ~padding[0] if padding else None)
 
     def draft_sources(self, src_tokens: torch.Tensor) -> list[list[int]]:
         """What each row copies its drafts from: its source sentence (EOS included), in target ids."""
@@ -397,26 +482,32 @@ class AggressiveGenerator:
         tokens = src_tokens if self.source_to_target is None else self.source_to_target[src_tokens]
         return [row[keep].tolist() for row, keep in zip(tokens, src_tokens.ne(self.source_pad), strict=True)]
 
-    def _hypotheses(self, sequences, gained, best) -> list[list[dict]]:
+    def _hypotheses(self, sequences, gained, passes) -> list[list[dict]]:
         """fairseq's hypothesis dicts. Pass ``i`` decoded, in row order, the rows that had an ``i``-th pass
-        (finished rows leave ``iad_greedy``'s batch); each row's tokens from a pass are its first positions."""
-        if len(best) != max(len(row) for row in gained):
-            raise RuntimeError(f"lightgen: {len(best)} decoder passes for IAD's {max(map(len, gained))} iterations")
+        (finished rows leave ``aggressive_greedy``'s batch); each row's tokens from a pass are its first
+        positions: an accepted draft token, scored as drafted, or the verifier's own (the best score)."""
+        if len(passes) != max(len(row) for row in gained):
+            raise RuntimeError(f"lightgen: {len(passes)} decoder passes for {max(map(len, gained))} iterations")
         positional = [[] for _ in gained]
-        for index, scores in enumerate(best):
-            live = [row for row, passes in enumerate(gained) if len(passes) > index]
+        done = [0] * len(gained)
+        for index, (best, following, drafted) in enumerate(passes):
+            live = [row for row, row_passes in enumerate(gained) if len(row_passes) > index]
             for slot, row in enumerate(live):
-                positional[row].append(scores[slot, : gained[row][index]])
+                count = gained[row][index]
+                chosen = sequences[row, 1 + done[row]: 1 + done[row] + count]
+                positional[row].append(torch.where(chosen == following[slot, :count], drafted[slot, :count],
+                                                   best[slot, :count]))
+                done[row] += count
         gen, hypotheses = self.generator, []
-        for row, passes in enumerate(gained):
-            length = sum(passes)
+        for row, row_passes in enumerate(gained):
+            length = sum(row_passes)
             scores = torch.cat(positional[row])
             score = scores.sum()
             if gen.normalize_scores:
                 score = score / length ** gen.len_penalty
             hypotheses.append([{
                 "tokens": sequences[row, 1: 1 + length], "score": score, "attention": torch.empty(0),
-                "alignment": torch.empty(0), "positional_scores": scores, "iterations": len(passes),
-                "tokens_per_iteration": torch.tensor(passes),
+                "alignment": torch.empty(0), "positional_scores": scores, "iterations": len(row_passes),
+                "tokens_per_iteration": torch.tensor(row_passes),
             }])
         return hypotheses

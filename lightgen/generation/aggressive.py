@@ -110,8 +110,11 @@ class Acceptance:
         return (candidates == drafts[..., None]).any(-1) & (best[..., 0] - drafted <= self.tau)
 
 
+GREEDY = Acceptance()  # beta=1: greedy's output exactly
+
+
 def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: DraftSession, eos_ids: set[int],
-                      pad_token_id: int, max_length: int, max_draft: int, acceptance: Acceptance = Acceptance(),
+                      pad_token_id: int, max_length: int, max_draft: int, acceptance: Acceptance = GREEDY,
                       forced_eos: int | None = None) -> tuple[torch.Tensor, list[list[int]]]:
     """Greedy decoding (or GAD++'s relaxation of it), accelerated by ``drafter``'s guesses; a row that
     reaches ``max_length`` ends with ``forced_eos`` when given.
@@ -187,10 +190,3 @@ def _verify(decoder, state, outputs, live, drafts, pad_token_id, dtype) -> torch
     positions = (state.next_position[:, None] + torch.arange(1 + width, device=device)).clamp(
         max=decoder.spec.position_limit - 1)
     return decoder.step(state, tokens, positions, all_positions=True)
-
-
-def iad_greedy(decoder, state, input_ids, prompt_positions, sources: list[list[int]], eos_ids: set[int],
-               pad_token_id: int, max_length: int, max_draft: int) -> tuple[torch.Tensor, list[list[int]]]:
-    """Greedy decoding, accelerated by drafts copied from ``sources`` (IAD)."""
-    return aggressive_greedy(decoder, state, input_ids, prompt_positions, CopyFromInput(sources), eos_ids,
-                             pad_token_id, max_length, max_draft)

@@ -21,6 +21,7 @@ from fairseq.models.transformer import TransformerModel  # noqa: E402
 
 import lightgen  # noqa: E402
 from lightgen.adapters.fairseq import allow_fairseq_checkpoints  # noqa: E402
+from lightgen.drafting import DrafterConfig, NARDrafter  # noqa: E402
 
 pytestmark = pytest.mark.fairseq
 
@@ -130,21 +131,42 @@ def test_generate_same_lines(workdir, flags):
     assert _finished_early(got), "every hypothesis ran to the length limit: EOS handling was not exercised"
 
 
+@pytest.fixture(scope="module")
+def drafter_dir(workdir):
+    """An untrained GAD drafter for the checkpoint (its drafts are mostly rejected; the output is greedy's)."""
+    torch.manual_seed(0)
+    drafter = NARDrafter(DrafterConfig(vocab_size=len(fm.dictionary()), pad_token_id=fm.dictionary().pad(),
+                                       d_model=64, heads=4, ffn_dim=96, decoder_layers=1))
+    drafter.save_pretrained(workdir / "drafter")
+    return workdir / "drafter"
+
+
+@pytest.mark.parametrize("decoding", ["iad", "gad"])
 @pytest.mark.parametrize("tool, flags", [
     ("interactive", ["--buffer-size", "6", "--batch-size", "6"]),
     ("generate", ["--batch-size", "7", "--max-len-a", "1", "--max-len-b", "1"]),
 ])
-def test_iad_same_lines_as_fairseq_greedy(workdir, tool, flags):
+def test_aggressive_decoding_same_lines_as_fairseq_greedy(workdir, drafter_dir, tool, flags, decoding):
     text = "\n".join(_lines(12, 2)) + "\n" if tool == "interactive" else None
     expected, _ = _run(workdir, tool, ["--beam", "1", *flags], plugin=False, stdin=text)
-    got, stderr = _run(workdir, tool, ["--lightgen-decoding", "iad", "--lightgen-block-size", "4", *flags],
-                       plugin=True, stdin=text)
+    drafting = ["--lightgen-drafter", str(drafter_dir)] if decoding == "gad" else []
+    got, stderr = _run(workdir, tool, ["--lightgen-decoding", decoding, "--lightgen-block-size", "4", *drafting,
+                                       *flags], plugin=True, stdin=text)
     assert "running" not in stderr  # no fallback
     assert_same_output(expected, got)
-    # The last batch's log line ends with the totals: drafts were accepted.
-    totals = re.findall(r"all so far: (\d+) sentences, [\d.]+ decoder passes per sentence, ([\d.]+) tokens per pass",
-                        stderr)[-1]
-    assert int(totals[0]) == sum(line.startswith("H-") for line in got) and float(totals[1]) > 1.2
+    # The last batch's log line ends with the totals.
+    totals = re.findall(rf"lightgen {decoding.upper()}: .*\(all so far: (\d+) sentences, [\d.]+ decoder passes per "
+                        rf"sentence, ([\d.]+) tokens per pass", stderr)[-1]
+    assert int(totals[0]) == sum(line.startswith("H-") for line in got)
+    if decoding == "iad":  # drafts were accepted
+        assert float(totals[1]) > 1.2
+
+
+def test_gad_without_a_drafter_is_a_clear_error(workdir):
+    done = subprocess.run(["fairseq-generate", str(workdir / "bin"), "--path", str(workdir / "model.pt"),
+                           "--source-lang", "src", "--target-lang", "tgt", "--lightgen-decoding", "gad", *PLUGIN_FLAGS],
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "GAD needs a drafter (--lightgen-drafter DIR" in done.stderr
 
 
 def test_unsupported_flag_falls_back_with_a_warning(workdir):
@@ -154,7 +176,7 @@ def test_unsupported_flag_falls_back_with_a_warning(workdir):
     assert sum(line.startswith("A-") for line in got) == sum(line.startswith("H-") for line in got) > 0
 
 
-def test_hub_interface_translate(workdir):
+def test_hub_interface_translate(workdir, drafter_dir):
     allow_fairseq_checkpoints()
     # Loaded twice: fairseq's task state does not survive copy.deepcopy.
     hub, accelerated = (TransformerModel.from_pretrained(str(workdir), checkpoint_file="model.pt",
@@ -164,7 +186,14 @@ def test_hub_interface_translate(workdir):
     sentences = _lines(9, 3)
     for beam in (1, 4):
         assert accelerated.translate(sentences, beam=beam) == hub.translate(sentences, beam=beam)
+    greedy = hub.translate(sentences, beam=1)
+    assert accelerated.translate(sentences, beam=1, lightgen_decoding="iad", lightgen_block_size=4) == greedy
+    gad = accelerated.translate(sentences, beam=1, lightgen_decoding="gad", lightgen_drafter=str(drafter_dir))
+    assert gad == greedy
+    with pytest.raises(ValueError, match="greedy decoding: pass beam=1"):
+        accelerated.translate(sentences, beam=4, lightgen_decoding="iad")
     assert accelerated.models[0].decoder.forward.__func__.__module__ == "lightgen.adapters.fairseq"
     lightgen.restore_model(accelerated)
     assert "forward" not in accelerated.models[0].decoder.__dict__
+    assert "build_generator" not in accelerated.task.__dict__
 

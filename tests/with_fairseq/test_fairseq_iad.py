@@ -1,7 +1,8 @@
-"""IAD for fairseq (``AggressiveGenerator``) vs fairseq's own greedy ``SequenceGenerator`` (beam 1):
+"""IAD and GAD for fairseq (``AggressiveGenerator``) vs fairseq's own greedy ``SequenceGenerator`` (beam 1):
 identical hypotheses, scores within fp32 rounding, over seeds, batch sizes, paddings, block sizes and
 length settings, on random models (drafts rejected) and on a model trained to copy with edits (drafts
-accepted: outputs longer and shorter than their inputs, repeated n-grams, one-word inputs)."""
+accepted: outputs longer and shorter than their inputs, repeated n-grams, one-word inputs); GAD with an
+untrained and a trained drafter; GAD++'s relaxed choices scored as fairseq scores them."""
 
 import os
 
@@ -18,7 +19,9 @@ from fairseq.data import Dictionary  # noqa: E402
 from test_fairseq_api import VARIANTS, assert_same_hypotheses  # noqa: E402
 
 import lightgen  # noqa: E402
-from lightgen.adapters.fairseq import AggressiveGenerator, iad_unsupported  # noqa: E402
+from lightgen.adapters.fairseq import AggressiveGenerator, encoder_for_drafting, iad_unsupported  # noqa: E402
+from lightgen.drafting import DrafterConfig, NARDrafter, train_drafter  # noqa: E402
+from lightgen.generation.aggressive import GREEDY, Acceptance  # noqa: E402
 
 pytestmark = pytest.mark.fairseq
 
@@ -51,12 +54,91 @@ def _batch(vocab: Dictionary, sentences: list[str]) -> dict:
     return {"net_input": {"src_tokens": tokens, "src_lengths": torch.tensor([len(row) for row in rows])}}
 
 
-def _both(model, sample, block_size=4, **settings):
+def _both(model, sample, block_size=4, drafter=None, acceptance=GREEDY, **settings):
     settings.setdefault("max_len_b", 20)
     vocab = fm.dictionary()
     greedy = fm.generator([model], vocab, beam_size=1, **settings)
-    iad = AggressiveGenerator(fm.generator([model], vocab, beam_size=1, **settings), block_size=block_size)
-    return greedy.generate([model], sample), iad.generate([model], sample), iad
+    aggressive = AggressiveGenerator(fm.generator([model], vocab, beam_size=1, **settings), block_size=block_size,
+                                     drafter=drafter, acceptance=acceptance)
+    return greedy.generate([model], sample), aggressive.generate([model], sample), aggressive
+
+
+def _drafter(seed=0, layers=1):
+    """Reads the 64-wide encoder output of ``fm.build`` models."""
+    torch.manual_seed(seed)
+    vocab = fm.dictionary()
+    return NARDrafter(DrafterConfig(vocab_size=len(vocab), pad_token_id=vocab.pad(), d_model=64, heads=4, ffn_dim=96,
+                                    decoder_layers=layers, max_positions=64, max_block_size=8)).eval()
+
+
+@pytest.fixture(scope="module")
+def trained_drafter(copy_model):
+    """Distilled from the copy model's own greedy outputs (IAD computes them: the same tokens)."""
+    vocab = fm.dictionary()
+    gen = torch.Generator().manual_seed(5)
+    sentences = [" ".join(f"w{int(i)}" for i in torch.randint(0, fm.WORDS, (int(n),), generator=gen))
+                 for n in torch.randint(1, 9, (256,), generator=gen)]
+    sample = _batch(vocab, sentences)
+    sources = AggressiveGenerator(fm.generator([copy_model], vocab, beam_size=1)).draft_sources(
+        sample["net_input"]["src_tokens"])
+    _, hypotheses, _ = _both(copy_model, sample)
+    targets = [[vocab.eos()] + hypos[0]["tokens"].tolist() for hypos in hypotheses]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_drafter(_drafter(), sources, targets, steps=300, batch_size=32, lr=3e-3, warmup=20,
+                             verifier_encoder=encoder_for_drafting(copy_model), log=lambda line: None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "default")
+@pytest.mark.parametrize("block_size", [1, 4, 8])
+def test_gad_same_hypotheses_as_greedy(copy_model, trained_drafter, settings, block_size):
+    sample = _batch(fm.dictionary(), SENTENCES)
+    for drafter in (_drafter(block_size), trained_drafter):
+        expected, got, gad = _both(copy_model, sample, block_size, drafter=drafter, **settings)
+        assert_same_hypotheses(expected, got)
+    if block_size > 1 and not settings:  # the trained drafter's drafts were accepted
+        assert gad.stats.tokens > 1.5 * gad.stats.passes, str(gad.stats)
+
+
+@pytest.mark.parametrize("seed, batch, length, variant", [(0, 2, 6, "post-norm"), (1, 5, 9, "pre-norm")])
+def test_gad_on_random_models_same_hypotheses_as_greedy(seed, batch, length, variant):
+    model = fm.build(seed, **VARIANTS[variant])
+    lightgen.accelerate_model(model)
+    sample = fm.source_batch(fm.dictionary(), batch, length, seed)
+    for settings in SETTINGS[:3]:
+        expected, got, _ = _both(model, sample, drafter=_drafter(seed, layers=2), **settings)
+        assert_same_hypotheses(expected, got)
+
+
+@pytest.mark.parametrize("beta, tau", [(2, 0.5), (4, 3.0)])
+def test_gad_plus_plus_keeps_near_best_tokens_scored_as_fairseq_scores_them(copy_model, trained_drafter, beta,
+                                                                            tau):
+    vocab = fm.dictionary()
+    sample = _batch(vocab, SENTENCES)
+    _, got, _ = _both(copy_model, sample, 8, drafter=trained_drafter, acceptance=Acceptance(beta, tau))
+    src = sample["net_input"]
+    for row, hypos in enumerate(got):
+        tokens = hypos[0]["tokens"]
+        previous = torch.cat([torch.tensor([vocab.eos()]), tokens[:-1]])[None]
+        with torch.no_grad():
+            logits = copy_model(src["src_tokens"][row:row + 1], src["src_lengths"][row:row + 1], previous)[0][0]
+        lprobs = logits.log_softmax(-1)
+        lprobs[:, vocab.pad()] = -float("inf")
+        lprobs[0, vocab.eos()] = -float("inf")  # fairseq's default min_len=1
+        chosen = lprobs.gather(-1, tokens[:, None])[:, 0]
+        torch.testing.assert_close(hypos[0]["positional_scores"], chosen, atol=1e-4, rtol=1e-4)
+        rank = (lprobs > chosen[:, None]).sum(-1)
+        assert bool((rank < beta).all()) and bool((lprobs.max(-1).values - chosen <= tau + 1e-5).all())
+
+
+def test_a_drafter_for_another_model_is_refused():
+    vocab = fm.dictionary()
+    wide = NARDrafter(DrafterConfig(vocab_size=len(vocab), pad_token_id=vocab.pad(), d_model=32, heads=4))
+    with pytest.raises(ValueError, match="not made for this model"):
+        AggressiveGenerator(fm.generator([fm.build(0)], vocab, beam_size=1), drafter=wide)
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "default")
