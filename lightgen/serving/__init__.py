@@ -21,6 +21,7 @@ class ServeOptions:
     """What ``lightgen serve`` was asked for; fields marked (triton) or (ray) are read by that backend only."""
 
     model_dir: str | None = None  # a save_pretrained folder; None: the shipped demo model
+    drafter_dir: str | None = None  # a NARDrafter folder for decoding="gad"; the demo model has its own
     accelerate: bool = True  # False: plain HF generate behind the same server (for comparisons)
     threads: int | None = None  # torch threads per model instance
     host: str = "127.0.0.1"
@@ -42,7 +43,8 @@ class ServeOptions:
                                                 ("max_batch_size", self.max_batch_size)) if value is not None}
 
     def load_generator(self) -> Generator:
-        return Generator.load(self.model_dir, accelerate=self.accelerate, threads=self.threads, **self.limits())
+        return Generator.load(self.model_dir, accelerate=self.accelerate, threads=self.threads,
+                              drafter_dir=self.drafter_dir, **self.limits())
 
 
 def backend(name: str):

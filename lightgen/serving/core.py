@@ -3,7 +3,8 @@ settings, generate, and answer each request on its own (an error answers only th
 
 A request is a dict: ``{"text": "..."}`` (needs a tokenizer) or ``{"input_ids": [...]}``, plus optional
 decoding settings named as in HF's ``generate``: ``max_new_tokens``, ``num_beams``, ``do_sample``, ``top_k``,
-``top_p``, ``temperature``, ``seed``, and ``decoding="iad"`` with ``max_draft``. The answer is
+``top_p``, ``temperature``, ``seed``; ``decoding="iad"`` with ``max_draft``, or ``decoding="gad"`` (a server
+started with a drafter) with ``max_draft`` (the block size), ``beta`` and ``tau``. The answer is
 ``{"output_ids": [...], "text": "..."}`` (``text`` when the server has a tokenizer) or ``{"error": "..."}``.
 """
 
@@ -19,7 +20,8 @@ import torch
 
 TRITON_MODEL_NAME = "lightgen"
 SETTINGS = ("max_new_tokens", "num_beams", "do_sample", "top_k", "top_p", "temperature", "seed", "decoding",
-            "max_draft")
+            "max_draft", "beta", "tau")
+DECODINGS = ("auto", "iad", "gad")
 SAMPLING_ONLY = ("top_k", "top_p", "temperature", "seed")
 
 
@@ -39,15 +41,20 @@ class Settings:
     temperature: float | None = None
     seed: int | None = None
     decoding: str = "auto"
-    max_draft: int | None = None
+    max_draft: int | None = None  # iad: the longest draft; gad: the block size
+    beta: int | None = None  # gad
+    tau: float | None = None  # gad
 
-    def generate_kwargs(self) -> dict:
+    def generate_kwargs(self, drafter=None) -> dict:
         kwargs = dict(max_new_tokens=self.max_new_tokens, num_beams=self.num_beams, do_sample=self.do_sample)
         # Unset sampling knobs stay HF's defaults (top_k 50 etc. from the generation config), as in generate().
         kwargs.update({name: getattr(self, name) for name in ("top_k", "top_p", "temperature")
                        if getattr(self, name) is not None})
         if self.decoding == "iad":
             kwargs.update(decoding="iad", max_draft=self.max_draft or 16)
+        elif self.decoding == "gad":
+            kwargs.update(decoding="gad", drafter=drafter, block_size=self.max_draft or 8, beta=self.beta or 1,
+                          tau=self.tau or 0.0)
         return kwargs
 
 
@@ -77,7 +84,7 @@ def _number(name, value, low, high, low_open=True):
     return float(value)
 
 
-def parse_settings(request: dict, limits: Limits, accelerated: bool) -> Settings:
+def parse_settings(request: dict, limits: Limits, accelerated: bool, has_drafter: bool = False) -> Settings:
     unknown = sorted(set(request) - set(SETTINGS) - {"text", "input_ids"})
     if unknown:
         raise RequestError(f"unknown setting(s) {unknown}; known: text or input_ids, {', '.join(SETTINGS)}")
@@ -89,16 +96,21 @@ def parse_settings(request: dict, limits: Limits, accelerated: bool) -> Settings
         if get(name) is not None and not do_sample:
             raise RequestError(f"'{name}' needs do_sample=true")
     decoding = get("decoding", "auto")
-    if decoding not in ("auto", "iad"):
-        raise RequestError(f"'decoding' must be 'auto' or 'iad', got {decoding!r}")
+    if decoding not in DECODINGS:
+        raise RequestError(f"'decoding' must be one of {', '.join(map(repr, DECODINGS))}, got {decoding!r}")
     num_beams = _integer("num_beams", get("num_beams", 1), 1, limits.max_beams)
-    if decoding == "iad":
+    if decoding != "auto":
         if not accelerated:
-            raise RequestError("decoding='iad' needs lightgen's engine; this server runs plain HF generate")
+            raise RequestError(f"decoding={decoding!r} needs lightgen's engine; this server runs plain HF generate")
+        if decoding == "gad" and not has_drafter:
+            raise RequestError("decoding='gad' needs a drafter; this server has none (lightgen serve --drafter DIR)")
         if num_beams != 1 or do_sample:
-            raise RequestError("decoding='iad' is greedy decoding: num_beams=1 and do_sample=false")
+            raise RequestError(f"decoding={decoding!r} is greedy decoding: num_beams=1 and do_sample=false")
     elif get("max_draft") is not None:
-        raise RequestError("'max_draft' needs decoding='iad'")
+        raise RequestError("'max_draft' needs decoding='iad' or 'gad'")
+    for name in ("beta", "tau"):
+        if get(name) is not None and decoding != "gad":
+            raise RequestError(f"'{name}' needs decoding='gad'")
     return Settings(
         max_new_tokens=_integer("max_new_tokens", get("max_new_tokens", limits.max_new_tokens), 1,
                                 limits.max_new_tokens),
@@ -108,7 +120,9 @@ def parse_settings(request: dict, limits: Limits, accelerated: bool) -> Settings
         temperature=None if get("temperature") is None else _number("temperature", get("temperature"), 0.0, 100.0),
         seed=None if get("seed") is None else _integer("seed", get("seed"), 0, 2**63 - 1),
         decoding=decoding,
-        max_draft=None if get("max_draft") is None else _integer("max_draft", get("max_draft"), 1, 64))
+        max_draft=None if get("max_draft") is None else _integer("max_draft", get("max_draft"), 1, 64),
+        beta=None if get("beta") is None else _integer("beta", get("beta"), 1, 64),
+        tau=None if get("tau") is None else _number("tau", get("tau"), 0.0, 100.0, low_open=False))
 
 
 def check_batch(requests, limits: Limits) -> list:
@@ -128,8 +142,9 @@ class Generator:
     and returns one answer per request, in order. Thread-safe: calls into the model are serialised.
     """
 
-    def __init__(self, model, tokenizer=None, *, accelerated: bool, limits: Limits | None = None) -> None:
-        self.model, self.tokenizer, self.accelerated = model, tokenizer, accelerated
+    def __init__(self, model, tokenizer=None, *, accelerated: bool, limits: Limits | None = None,
+                 drafter=None) -> None:
+        self.model, self.tokenizer, self.accelerated, self.drafter = model, tokenizer, accelerated, drafter
         config = model.config
         self.encoder_decoder = bool(config.is_encoder_decoder)
         positions = getattr(config, "max_position_embeddings", None) or 1 << 20
@@ -148,9 +163,10 @@ class Generator:
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, accelerate: bool = True, threads: int | None = None,
-             **limits) -> Generator:
+             drafter_dir: str | Path | None = None, **limits) -> Generator:
         """A saved HF model folder (``save_pretrained``; its tokenizer too, if saved there), or the shipped
-        demo model when ``model_dir`` is None."""
+        demo model when ``model_dir`` is None; ``drafter_dir``: a ``NARDrafter`` folder for GAD requests
+        (the demo model's shipped drafter by default)."""
         if threads:
             torch.set_num_threads(threads)
         if model_dir is None:
@@ -165,14 +181,21 @@ class Generator:
             import lightgen
 
             lightgen.accelerate_model(model)
-        generator = cls(model, tokenizer, accelerated=accelerate)
+        drafter = None
+        if drafter_dir is not None or model_dir is None:
+            from lightgen.demo import DRAFTER_DIR
+            from lightgen.drafting import NARDrafter
+
+            drafter = NARDrafter.from_pretrained(drafter_dir or DRAFTER_DIR)
+        generator = cls(model, tokenizer, accelerated=accelerate, drafter=drafter)
         if limits:
             generator.limits = dataclasses.replace(generator.limits, **limits)
         return generator
 
     def info(self) -> dict:
         return dict(model_type=self.model.config.model_type, accelerated=self.accelerated,
-                    tokenizer=self.tokenizer is not None, limits=dataclasses.asdict(self.limits))
+                    tokenizer=self.tokenizer is not None, drafter=self.drafter is not None,
+                    limits=dataclasses.asdict(self.limits))
 
     def stats(self) -> dict:
         with self.stats_lock:
@@ -183,7 +206,7 @@ class Generator:
             raise RequestError(f"a request is an object, got {type(request).__name__}")
         if ("text" in request) == ("input_ids" in request):
             raise RequestError("a request needs exactly one of 'text' or 'input_ids'")
-        settings = parse_settings(request, self.limits, self.accelerated)
+        settings = parse_settings(request, self.limits, self.accelerated, self.drafter is not None)
         if "text" in request:
             text = request["text"]
             if self.tokenizer is None:
@@ -249,7 +272,7 @@ class Generator:
         if settings.seed is not None:
             torch.manual_seed(settings.seed)
         with torch.no_grad():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, **settings.generate_kwargs())
+            out = self.model.generate(input_ids=ids, attention_mask=mask, **settings.generate_kwargs(self.drafter))
         # Encoder-decoder outputs start with the decoder start token, decoder-only ones with the prompt.
         return [self._until_eos(row) for row in out[:, 1 if self.encoder_decoder else longest:].tolist()]
 

@@ -2,7 +2,8 @@
 
 HTTP on one route prefix ``/``: ``POST /generate`` with one request object (answer: one answer; HTTP 400
 if it is refused) or a list of 1 to ``max_batch_size`` of them (answer: a list, refusals inside it);
-``GET /health`` (model info; 200 once the replica is up) and ``GET /stats`` (the replica's batch sizes).
+``GET /health`` (model info; 200 once the replica is up) and ``GET /stats`` (the batch sizes of the replica
+that answers, and its ``replica`` id).
 ``@ray_serve.batch`` merges concurrent requests on each replica; ``num_replicas``/``max_replicas`` scale out
 over every node of the Ray cluster. On an existing cluster, the same application runs with Ray's CLI:
 
@@ -47,8 +48,8 @@ class LightgenDeployment:
         path = http.url.path.rstrip("/")
         if http.method == "GET" and path == "/health":
             return JSONResponse(self.generator.info())
-        if http.method == "GET" and path == "/stats":
-            return JSONResponse(self.generator.stats())
+        if http.method == "GET" and path == "/stats":  # each replica is its own process: pid names it
+            return JSONResponse(dict(self.generator.stats(), replica=os.getpid()))
         if http.method != "POST" or path != "/generate":
             return JSONResponse({"error": f"no route {http.method} {path}; POST /generate, GET /health, "
                                           "GET /stats"}, status_code=404)

@@ -33,8 +33,9 @@ MODEL_PY = "from lightgen.serving.triton_repository import TritonPythonModel  # 
 
 def write_repository(options, out_dir: str | Path) -> Path:
     """Write the repository for ``options`` (a ``ServeOptions``) under ``out_dir``; returns the model folder."""
-    if options.model_dir is not None:  # the server may start elsewhere: name the folder absolutely
-        options = dataclasses.replace(options, model_dir=str(Path(options.model_dir).resolve()))
+    # The server may start elsewhere: name the folders absolutely.
+    options = dataclasses.replace(options, **{name: str(Path(folder).resolve()) for name in ("model_dir", "drafter_dir")
+                                              if (folder := getattr(options, name)) is not None})
     model = Path(out_dir) / TRITON_MODEL_NAME
     (model / "1").mkdir(parents=True, exist_ok=True)
     (model / "config.pbtxt").write_text(CONFIG.format(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lightgen
-from lightgen.demo import EXAMPLES, held_out_pairs, load_demo_model
+from lightgen.demo import EXAMPLES, held_out_pairs, load_demo_drafter, load_demo_model
 from lightgen.serving.core import Generator, Limits
 
 from models import build
@@ -23,7 +23,8 @@ def demo():
 @pytest.fixture
 def generator(demo):
     _, accelerated, tokenizer = demo
-    return Generator(accelerated, tokenizer, accelerated=True, limits=Limits(max_input_tokens=64, max_new_tokens=60))
+    return Generator(accelerated, tokenizer, accelerated=True, limits=Limits(max_input_tokens=64, max_new_tokens=60),
+                     drafter=load_demo_drafter())
 
 
 def _direct(model, tokenizer, text, seed=None, **kwargs):
@@ -38,7 +39,8 @@ def _direct(model, tokenizer, text, seed=None, **kwargs):
 def test_answers_equal_direct_generate_for_every_decoding(demo, generator):
     reference, accelerated, tokenizer = demo
     sentences = EXAMPLES[:4] + held_out_pairs(2)[0]
-    settings = [{}, {"num_beams": 3}, {"decoding": "iad", "max_draft": 8}]
+    settings = [{}, {"num_beams": 3}, {"decoding": "iad", "max_draft": 8}, {"decoding": "gad"},
+                {"decoding": "gad", "max_draft": 4, "beta": 1, "tau": 2.0}]
     requests = [dict(text=text, **extra) for extra in settings for text in sentences]
     answers = generator.generate(requests)
     direct = {(text, beams): _direct(reference, tokenizer, text, num_beams=beams) for text in sentences
@@ -71,9 +73,13 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(demo, generator):
     ({"text": "ok", "top_k": 5}, "'top_k' needs do_sample=true"),
     ({"text": "ok", "do_sample": True, "top_p": 1.5}, "'top_p' must be in (0.0, 1.0], got 1.5"),
     ({"text": "ok", "do_sample": True, "temperature": 0}, "'temperature' must be in (0.0, 100.0], got 0"),
-    ({"text": "ok", "decoding": "gad"}, "'decoding' must be 'auto' or 'iad'"),
+    ({"text": "ok", "decoding": "beam"}, "'decoding' must be one of 'auto', 'iad', 'gad', got 'beam'"),
     ({"text": "ok", "decoding": "iad", "num_beams": 2}, "decoding='iad' is greedy decoding"),
-    ({"text": "ok", "max_draft": 4}, "'max_draft' needs decoding='iad'"),
+    ({"text": "ok", "decoding": "gad", "do_sample": True}, "decoding='gad' is greedy decoding"),
+    ({"text": "ok", "max_draft": 4}, "'max_draft' needs decoding='iad' or 'gad'"),
+    ({"text": "ok", "decoding": "iad", "beta": 2}, "'beta' needs decoding='gad'"),
+    ({"text": "ok", "decoding": "gad", "tau": -1}, "'tau' must be in [0.0, 100.0], got -1"),
+    ({"text": "ok", "decoding": "gad", "beta": 0}, "'beta' must be in [1, 64], got 0"),
     ({"text": "ok", "max_new_tokens": 61}, "'max_new_tokens' must be in [1, 60], got 61"),
     ({"text": "word " * 80}, "takes at most 64"),
     ({"text": ""}, "'text' must be a non-empty string"),
@@ -110,11 +116,24 @@ def test_a_request_that_fails_inside_generate_fails_alone(demo, generator, monke
     assert answers[2]["output_ids"] == _direct(accelerated, tokenizer, EXAMPLES[2])
 
 
-def test_plain_hf_server_refuses_iad(demo):
+def test_plain_hf_server_refuses_iad_and_gad(demo):
     reference, _, tokenizer = demo
-    plain = Generator(reference, tokenizer, accelerated=False)
-    assert plain.generate([{"text": "ok", "decoding": "iad"}]) == [
-        {"error": "decoding='iad' needs lightgen's engine; this server runs plain HF generate"}]
+    plain = Generator(reference, tokenizer, accelerated=False, drafter=load_demo_drafter())
+    assert plain.generate([{"text": "ok", "decoding": "iad"}, {"text": "ok", "decoding": "gad"}]) == [
+        {"error": f"decoding='{decoding}' needs lightgen's engine; this server runs plain HF generate"}
+        for decoding in ("iad", "gad")]
+
+
+def test_a_server_without_a_drafter_refuses_gad(demo):
+    _, accelerated, tokenizer = demo
+    answer, = Generator(accelerated, tokenizer, accelerated=True).generate([{"text": "ok", "decoding": "gad"}])
+    assert answer == {"error": "decoding='gad' needs a drafter; this server has none (lightgen serve --drafter DIR)"}
+
+
+def test_gad_plus_plus_requests_keep_near_best_tokens(generator):
+    """beta > 1 may differ from greedy; the answer is a finished sentence either way."""
+    answer, = generator.generate([{"text": EXAMPLES[3], "decoding": "gad", "beta": 3, "tau": 1.0}])
+    assert answer["output_ids"][-1] == 2 and answer["text"]
 
 
 def test_decoder_only_folder_token_ids_in_and_out(tmp_path):

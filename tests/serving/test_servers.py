@@ -82,12 +82,12 @@ def _concurrently(calls):
 
 def test_concurrent_requests_are_batched_and_equal_direct_generate(server, direct):
     sentences, answers, tokenizer = direct
-    settings = [{}, {"num_beams": 2}, {"decoding": "iad"}]
-    requests = [dict(text=text, **settings[i % 3]) for i, text in enumerate(sentences)]
+    settings = [{}, {"num_beams": 2}, {"decoding": "iad"}, {"decoding": "gad"}]  # the demo model's drafter
+    requests = [dict(text=text, **settings[i % len(settings)]) for i, text in enumerate(sentences)]
     before = server.batch_sizes()
     got = _concurrently([lambda r=r: server.generate([r])[0] for r in requests])
     for request, answer in zip(requests, got, strict=True):
-        expected = answers[request["text"], request.get("num_beams", 1)]  # IAD gives greedy's tokens
+        expected = answers[request["text"], request.get("num_beams", 1)]  # IAD and GAD give greedy's tokens
         assert answer == {"output_ids": expected,
                           "text": tokenizer.decode(expected, skip_special_tokens=True).strip()}, request
     after = server.batch_sizes()
@@ -161,6 +161,25 @@ def test_health_endpoints(server):
             info = json.loads(response.read())
         assert info["accelerated"] is True and info["model_type"] == "mbart"
         assert info["limits"]["max_new_tokens"] == MAX_NEW_TOKENS and info["limits"]["max_batch_size"] == 16
+
+
+def test_ray_spreads_requests_over_replicas(direct):
+    """--num-replicas 2 (one thread each): every request answered as direct generate, both replicas served."""
+    _require("ray")
+    sentences, answers, _ = direct
+    process = ServerProcess("ray", ["--num-replicas", "2", "--threads", "1", "--max-new-tokens", str(MAX_NEW_TOKENS),
+                                    "--max-batch-size", "4", "--max-delay-ms", "50"])
+    with process as client:
+        requests = [{"text": text} for text in sentences * 2]
+        got = _concurrently([lambda r=r: client.generate([r])[0]["output_ids"] for r in requests])
+        assert got == [answers[r["text"], 1] for r in requests]
+        served = {}
+        deadline = time.monotonic() + 30
+        while len(served) < 2 and time.monotonic() < deadline:  # /stats answers from one replica per call
+            _, body = client._call("/stats")
+            served[body["replica"]] = sum(int(size) * count for size, count in body["batch_sizes"].items())
+    assert len(served) == 2 and sum(served.values()) == len(requests) and min(served.values()) > 0, served
+    _assert_clean_stop(process)
 
 
 def test_triton_serves_a_saved_folder_and_stops_on_sigterm(tmp_path):
