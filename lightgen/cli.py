@@ -98,8 +98,8 @@ def serve(args, parser) -> None:
     if args.max_replicas is not None and args.max_replicas < args.num_replicas:
         parser.error("--max-replicas must be at least --num-replicas")
     options = ServeOptions(
-        model_dir=args.model_dir, drafter_dir=args.drafter, accelerate=not args.no_accelerate, threads=args.threads,
-        host=args.host,
+        model_dir=args.model_dir, drafter_dir=args.drafter, fairseq_data=args.fairseq_data,
+        accelerate=not args.no_accelerate, threads=args.threads, host=args.host,
         port=args.port, max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
         max_input_tokens=args.max_input_tokens, max_new_tokens=args.max_new_tokens, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, workspace=args.workspace, num_replicas=args.num_replicas,
@@ -136,7 +136,10 @@ def main(argv=None) -> None:
     serve_parser = commands.add_parser(
         "serve", help="serve a model (the demo model by default) behind Triton (lightgen[triton]) or Ray Serve "
                       "(lightgen[ray]) until SIGINT/SIGTERM")
-    serve_parser.add_argument("model_dir", nargs="?", help="a save_pretrained folder (default: the demo model)")
+    serve_parser.add_argument("model_dir", nargs="?", help="a save_pretrained folder or a fairseq checkpoint (.pt) "
+                              "(default: the demo model)")
+    serve_parser.add_argument("--fairseq-data", metavar="DIR", help="a fairseq checkpoint's dictionaries "
+                              "(dict.*.txt; default: the checkpoint's folder)")
     serve_parser.add_argument("--drafter", metavar="DIR", help="a lightgen NARDrafter folder trained for the model: "
                               "serves decoding='gad' (the demo model has its own)")
     serve_parser.add_argument("--backend", choices=["triton", "ray"], default="triton")

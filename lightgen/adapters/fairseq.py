@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import math
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -281,6 +283,22 @@ def encoder_for_drafting(model):
     return encode
 
 
+def _load_drafter(folder):
+    """A drafter folder, loaded once while its weights file is unchanged: fairseq builds a generator for
+    every ``hub.translate`` call, and a config (omegaconf) can only name the drafter by its folder."""
+    from lightgen.drafting import WEIGHTS_NAME
+
+    weights = Path(folder).resolve() / WEIGHTS_NAME
+    return _load_drafter_version(str(weights.parent), weights.stat().st_mtime_ns if weights.is_file() else None)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_drafter_version(folder: str, _version):
+    from lightgen.drafting import NARDrafter
+
+    return NARDrafter.from_pretrained(folder)
+
+
 def aggressive_generator(generator, src_dict, decoding: str, lightgen_block_size: int = 16,
                          lightgen_drafter=None, lightgen_beta: int = 1, lightgen_tau: float = 0.0):
     """``generator`` (fairseq greedy) as IAD or GAD when they can reproduce it, else ``generator`` itself
@@ -292,8 +310,7 @@ def aggressive_generator(generator, src_dict, decoding: str, lightgen_block_size
         if lightgen_drafter is None:
             raise ValueError("lightgen: GAD needs a drafter (--lightgen-drafter DIR, a NARDrafter folder saved by "
                              "save_pretrained)")
-        drafter = (lightgen_drafter if isinstance(lightgen_drafter, NARDrafter)
-                   else NARDrafter.from_pretrained(lightgen_drafter))
+        drafter = lightgen_drafter if isinstance(lightgen_drafter, NARDrafter) else _load_drafter(lightgen_drafter)
     reason = iad_unsupported(generator)
     if reason is None:
         return AggressiveGenerator(generator, src_dict, lightgen_block_size, drafter=drafter,

@@ -20,8 +20,9 @@ EXTRA_PACKAGES = {"triton": "pytriton", "ray": "ray"}
 class ServeOptions:
     """What ``lightgen serve`` was asked for; fields marked (triton) or (ray) are read by that backend only."""
 
-    model_dir: str | None = None  # a save_pretrained folder; None: the shipped demo model
+    model_dir: str | None = None  # a save_pretrained folder or a fairseq checkpoint (.pt); None: the demo model
     drafter_dir: str | None = None  # a NARDrafter folder for decoding="gad"; the demo model has its own
+    fairseq_data: str | None = None  # a fairseq checkpoint's dictionaries (dict.*.txt); default: its folder
     accelerate: bool = True  # False: plain HF generate behind the same server (for comparisons)
     threads: int | None = None  # torch threads per model instance
     host: str = "127.0.0.1"
@@ -44,7 +45,7 @@ class ServeOptions:
 
     def load_generator(self) -> Generator:
         return Generator.load(self.model_dir, accelerate=self.accelerate, threads=self.threads,
-                              drafter_dir=self.drafter_dir, **self.limits())
+                              drafter_dir=self.drafter_dir, fairseq_data=self.fairseq_data, **self.limits())
 
 
 def backend(name: str):

@@ -163,12 +163,26 @@ class Generator:
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, accelerate: bool = True, threads: int | None = None,
-             drafter_dir: str | Path | None = None, **limits) -> Generator:
-        """A saved HF model folder (``save_pretrained``; its tokenizer too, if saved there), or the shipped
+             drafter_dir: str | Path | None = None, fairseq_data: str | Path | None = None, **limits) -> Generator:
+        """A saved HF model folder (``save_pretrained``; its tokenizer too, if saved there), a fairseq
+        checkpoint file (``.pt``; its dictionaries in ``fairseq_data``, default its folder), or the shipped
         demo model when ``model_dir`` is None; ``drafter_dir``: a ``NARDrafter`` folder for GAD requests
         (the demo model's shipped drafter by default)."""
         if threads:
             torch.set_num_threads(threads)
+        if model_dir is not None and Path(model_dir).suffix == ".pt":
+            from lightgen.serving.fairseq_model import load_fairseq_checkpoint
+
+            model, tokenizer = load_fairseq_checkpoint(Path(model_dir), fairseq_data, accelerate)
+            generator = cls(model, tokenizer, accelerated=accelerate, drafter=drafter_dir and str(drafter_dir))
+        else:
+            generator = cls._load_hf(model_dir, accelerate, drafter_dir)
+        if limits:
+            generator.limits = dataclasses.replace(generator.limits, **limits)
+        return generator
+
+    @classmethod
+    def _load_hf(cls, model_dir, accelerate: bool, drafter_dir) -> Generator:
         if model_dir is None:
             from lightgen.demo import load_demo_model
 
@@ -187,10 +201,7 @@ class Generator:
             from lightgen.drafting import NARDrafter
 
             drafter = NARDrafter.from_pretrained(drafter_dir or DRAFTER_DIR)
-        generator = cls(model, tokenizer, accelerated=accelerate, drafter=drafter)
-        if limits:
-            generator.limits = dataclasses.replace(generator.limits, **limits)
-        return generator
+        return cls(model, tokenizer, accelerated=accelerate, drafter=drafter)
 
     def info(self) -> dict:
         return dict(model_type=self.model.config.model_type, accelerated=self.accelerated,
@@ -309,7 +320,7 @@ def _load_folder(path: Path):
 
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a saved Hugging Face model (no config.json); "
-                                "give a save_pretrained folder")
+                                "give a save_pretrained folder or a fairseq checkpoint (.pt)")
     config = AutoConfig.from_pretrained(path)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     model = auto.from_pretrained(path, dtype=torch.float32).eval()

@@ -34,8 +34,9 @@ MODEL_PY = "from lightgen.serving.triton_repository import TritonPythonModel  # 
 def write_repository(options, out_dir: str | Path) -> Path:
     """Write the repository for ``options`` (a ``ServeOptions``) under ``out_dir``; returns the model folder."""
     # The server may start elsewhere: name the folders absolutely.
-    options = dataclasses.replace(options, **{name: str(Path(folder).resolve()) for name in ("model_dir", "drafter_dir")
-                                              if (folder := getattr(options, name)) is not None})
+    paths = {name: str(Path(path).resolve()) for name in ("model_dir", "drafter_dir", "fairseq_data")
+             if (path := getattr(options, name)) is not None}
+    options = dataclasses.replace(options, **paths)
     model = Path(out_dir) / TRITON_MODEL_NAME
     (model / "1").mkdir(parents=True, exist_ok=True)
     (model / "config.pbtxt").write_text(CONFIG.format(
