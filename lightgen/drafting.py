@@ -47,6 +47,9 @@ class DrafterConfig:
     decoder_layers: int = 2
     max_positions: int = 256
     max_block_size: int = 16  # the most mask tokens it was trained to fill at once
+    # True: output tokens attend only to earlier output tokens (mask tokens still attend to everything), so
+    # drafting keeps their keys and values and each draft runs only the new tokens and the masks.
+    causal_prefix: bool = False
 
 
 class NARDrafter(nn.Module):
@@ -94,9 +97,14 @@ class NARDrafter(nn.Module):
 
     def decode(self, memory, source_pad, target: torch.Tensor, target_pad: torch.Tensor) -> torch.Tensor:
         """target [B, T] (output so far, then mask tokens) -> logits [M, V] of its M mask tokens, row by
-        row; no causal mask."""
+        row; no causal mask (``causal_prefix``: over the output so far only)."""
         positions = torch.arange(target.shape[1], device=target.device)
-        hidden = self.decoder(self.tokens(target) + self.target_positions(positions), memory,
+        blocked = None
+        if self.config.causal_prefix:
+            is_mask = target == self.mask_token_id
+            blocked = _prefix_blocked(is_mask.int().argmax(1), target.shape[1]).repeat_interleave(
+                self.config.heads, dim=0)
+        hidden = self.decoder(self.tokens(target) + self.target_positions(positions), memory, tgt_mask=blocked,
                               tgt_key_padding_mask=target_pad, memory_key_padding_mask=source_pad)
         return self.head(hidden[target == self.mask_token_id])
 
@@ -113,10 +121,12 @@ class NARDrafter(nn.Module):
             self.__dict__["_drafting_layers"] = layers
         return layers
 
-    def start(self, sources: list[list[int]], encoder_hidden=None, encoder_mask=None) -> "_NARSession":
+    def start(self, sources: list[list[int]], encoder_hidden=None, encoder_mask=None,
+              max_length: int | None = None) -> "_NARSession":
         """Bind to one call's inputs; ``encoder_hidden`` [N, S, E] (+ ``encoder_mask``) is the verifier's
-        encoder output, which a drafter without its own encoder reads instead of ``sources``."""
-        return _NARSession(self, sources, encoder_hidden, encoder_mask)
+        encoder output, which a drafter without its own encoder reads instead of ``sources``;
+        ``max_length``: the longest output (sizes the ``causal_prefix`` cache)."""
+        return _NARSession(self, sources, encoder_hidden, encoder_mask, max_length)
 
     def save_pretrained(self, directory) -> None:
         from safetensors.torch import save_file
@@ -185,16 +195,51 @@ class _DraftingLayers:
         return [self._split_heads(F.linear(memory, *layer["cross_kv"]), 2) for layer in self.layers]
 
     def decode(self, cross, source_keep: torch.Tensor, target: torch.Tensor, target_pad: torch.Tensor):
-        """As ``NARDrafter.decode``; ``cross`` from ``cross_keys_values``, ``source_keep`` [B, S] True at
-        real source tokens."""
-        rows, width = target.shape
-        x = F.embedding(target, self.tokens) + self.positions[:width]
+        """As ``NARDrafter.decode`` for a drafter without ``causal_prefix``; ``cross`` from
+        ``cross_keys_values``, ``source_keep`` [B, S] True at real source tokens."""
         self_mask = ~target_pad[:, None, None, :]
+
+        def attend(_, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self_mask)
+
+        return self._layers(target, torch.arange(target.shape[1]), cross, source_keep, attend)
+
+    def decode_cached(self, cache: "_PrefixCache", index: torch.Tensor, new_counts: torch.Tensor, cross,
+                      source_keep: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """A ``causal_prefix`` drafter's decode from a cache of the output so far: ``target`` [R, W] is each
+        row's output tokens not yet cached (``new_counts`` [R] of them) then its mask tokens, padded;
+        ``index`` [R]: the rows' cache rows. The new output tokens' keys and values join the cache."""
+        filled = cache.filled[index]
+        width = target.shape[1]
+        positions = (filled[:, None] + torch.arange(width)).clamp(max=self.positions.shape[0] - 1)  # padding too
+        cached_width = int(filled.max())
+        real = torch.arange(width) < (new_counts + (target == self.mask_token_id).sum(1))[:, None]
+        new_allowed = ~_prefix_blocked(new_counts, width) & real[:, None, :]
+        allowed = torch.cat([(torch.arange(cached_width) < filled[:, None])[:, None, :].expand(-1, width, -1),
+                             new_allowed], dim=2)[:, None]
+        rows, slots = (torch.arange(width) < new_counts[:, None]).nonzero(as_tuple=True)
+
+        def attend(layer, q, k, v):
+            keys, values = cache.keys[layer], cache.values[layer]
+            # Read the cached part before writing this call's new tokens into it.
+            all_keys = torch.cat([keys[index, :, :cached_width], k], dim=2)
+            all_values = torch.cat([values[index, :, :cached_width], v], dim=2)
+            keys[index[rows], :, filled[rows] + slots] = k[rows, :, slots]
+            values[index[rows], :, filled[rows] + slots] = v[rows, :, slots]
+            return F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=allowed)
+
+        logits = self._layers(target, positions, cross, source_keep, attend)
+        cache.filled[index] += new_counts
+        return logits
+
+    def _layers(self, target, positions, cross, source_keep, attend) -> torch.Tensor:
+        """Mask-token logits of ``target``; ``attend(layer, q, k, v)`` is the self-attention."""
+        x = F.embedding(target, self.tokens) + F.embedding(positions, self.positions)
         cross_mask = source_keep[:, None, None, :]
         h = ops.layer_norm(x, *self.layers[0]["norms"][0])
         for index, (layer, (keys, values)) in enumerate(zip(self.layers, cross, strict=True)):
             q, k, v = self._split_heads(_run(layer["self_in"], h), 3)
-            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=self_mask)
+            attended = attend(index, q, k, v)
             x, h = ops.add_layer_norm(_run(layer["self_out"], _merge_heads(attended)), x, *layer["norms"][1])
             q, = self._split_heads(_run(layer["cross_q"], h), 1)
             attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=cross_mask)
@@ -203,6 +248,27 @@ class _DraftingLayers:
             following = self.layers[index + 1]["norms"][0] if index + 1 < len(self.layers) else self.final_norm
             x, h = ops.add_layer_norm(_run(layer["down"], _run(layer["up"], h, "gelu")), x, *following)
         return _run(self.head, h[target == self.mask_token_id])
+
+
+class _PrefixCache:
+    """Per layer, the keys and values of each row's output tokens drafted from so far (``causal_prefix``
+    drafters: they never change, and the verifier only ever appends to the output)."""
+
+    def __init__(self, layers: int, rows: int, heads: int, length: int, head_dim: int) -> None:
+        self.keys = [torch.zeros(rows, heads, length, head_dim) for _ in range(layers)]
+        self.values = [torch.zeros(rows, heads, length, head_dim) for _ in range(layers)]
+        self.filled = torch.zeros(rows, dtype=torch.long)
+        self.length = length
+
+
+def _prefix_blocked(prefix_lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width, width] True where a query may not attend, for rows laid out as output tokens (the first
+    ``prefix_lengths``) then mask tokens: an output token sees only itself and earlier output tokens."""
+    position = torch.arange(width, device=prefix_lengths.device)
+    query_in_prefix = position[None, :, None] < prefix_lengths[:, None, None]
+    key_in_prefix = position[None, None, :] < prefix_lengths[:, None, None]
+    key_later = position[None, None, :] > position[None, :, None]
+    return query_in_prefix & (~key_in_prefix | key_later)
 
 
 def _run(weights, x: torch.Tensor, act: str = "none") -> torch.Tensor:
@@ -230,9 +296,11 @@ def _padding(rows: list[list[int]], device=None) -> torch.Tensor:
 
 
 class _NARSession:
-    """One generate call: sources encoded once; each draft reruns the small decoder over the output."""
+    """One generate call: sources encoded once; each draft reruns the small decoder over the output (a
+    ``causal_prefix`` drafter on lightgen's kernels: over the tokens added since its last draft only)."""
 
-    def __init__(self, drafter: NARDrafter, sources: list[list[int]], encoder_hidden, encoder_mask) -> None:
+    def __init__(self, drafter: NARDrafter, sources: list[list[int]], encoder_hidden, encoder_mask,
+                 max_length: int | None) -> None:
         config = drafter.config
         device = drafter.head.weight.device
         self.drafter = drafter
@@ -250,15 +318,22 @@ class _NARSession:
             with torch.inference_mode():
                 self.memory = drafter.encode(source, self.source_pad)
         self.layers = drafter.drafting_layers()
+        self.cache = None
         if self.layers is not None:
             with torch.inference_mode():
                 self.cross = self.layers.cross_keys_values(self.memory)
+            if config.causal_prefix:
+                length = min(config.max_positions, max_length or config.max_positions)
+                self.cache = _PrefixCache(config.decoder_layers, self.memory.shape[0], config.heads, length,
+                                          config.d_model // config.heads)
 
     def draft(self, rows, outputs, sizes):
         config, drafter = self.drafter.config, self.drafter
         block = min(max(sizes), config.max_block_size)
         if block <= 0:
             return [[] for _ in rows]
+        if self.cache is not None:
+            return self._draft_cached(rows, outputs, block)
         context = config.max_positions - block  # longer outputs draft from their most recent tokens
         targets = [output[-context:] + [drafter.mask_token_id] * block for output in outputs]
         target = pad_rows(targets, config.pad_token_id, self.memory.device)
@@ -269,9 +344,31 @@ class _NARSession:
                 logits = drafter.decode(self.memory.index_select(0, index), self.source_pad.index_select(0, index),
                                         target, target_pad)
             else:
-                cross = [(keys.index_select(0, index), values.index_select(0, index)) for keys, values in self.cross]
-                logits = self.layers.decode(cross, ~self.source_pad.index_select(0, index), target, target_pad)
+                logits = self.layers.decode(self._cross(index), ~self.source_pad.index_select(0, index), target,
+                                            target_pad)
         return logits.argmax(-1).view(len(rows), block).tolist()
+
+    def _cross(self, index):
+        return [(keys.index_select(0, index), values.index_select(0, index)) for keys, values in self.cross]
+
+    def _draft_cached(self, rows, outputs, block):
+        """Rows whose output would outgrow the cache stop drafting (the verifier goes on alone)."""
+        filled = self.cache.filled.tolist()
+        fits = [slot for slot, (row, output) in enumerate(zip(rows, outputs, strict=True))
+                if len(output) + block <= self.cache.length]
+        drafts = [[] for _ in rows]
+        if not fits:
+            return drafts
+        new = [outputs[slot][filled[rows[slot]]:] for slot in fits]
+        target = pad_rows([tokens + [self.drafter.mask_token_id] * block for tokens in new],
+                          self.drafter.config.pad_token_id)
+        index = torch.tensor([rows[slot] for slot in fits])
+        with torch.inference_mode():
+            logits = self.layers.decode_cached(self.cache, index, torch.tensor(list(map(len, new))),
+                                               self._cross(index), ~self.source_pad.index_select(0, index), target)
+        for slot, draft in zip(fits, logits.argmax(-1).view(len(fits), block).tolist(), strict=True):
+            drafts[slot] = draft
+        return drafts
 
     def close(self) -> None:
         pass
@@ -359,7 +456,7 @@ def start_session(drafter, *, sources: list[list[int]], source_ids, source_mask,
     from transformers import PreTrainedModel
 
     if isinstance(drafter, NARDrafter):
-        return drafter.start(sources, encoder_hidden, source_mask if encoder_hidden is not None else None)
+        return drafter.start(sources, encoder_hidden, source_mask if encoder_hidden is not None else None, max_length)
     if isinstance(drafter, PreTrainedModel):
         from lightgen.adapters.base import accelerate_model
         from lightgen.generation.engine import DECODER_ATTR
@@ -467,6 +564,8 @@ def main(argv=None) -> None:
                         "training sentences with synthetic errors)")
     parser.add_argument("--out", type=Path, help="where to save (default: the demo drafter's folder)")
     parser.add_argument("--init", type=Path, help="continue training the drafter saved in this folder")
+    parser.add_argument("--causal-prefix", action="store_true", help="output tokens attend only to earlier ones, so "
+                        "drafting caches them (DrafterConfig.causal_prefix); with --init, retrains that drafter so")
     parser.add_argument("--sentences", type=int, default=20000)
     parser.add_argument("--targets", type=Path, help="cache of the source ids and the verifier's greedy outputs "
                         "(JSON): used instead of --text/--sentences if it exists, else written")
@@ -505,6 +604,8 @@ def main(argv=None) -> None:
             args.targets.write_text(json.dumps(dict(sources=sources, targets=targets)))
     print(f"{len(sources)} greedy targets from the verifier in {time.time() - started:.0f}s", flush=True)
     drafter = NARDrafter.from_pretrained(args.init) if args.init else drafter_for(verifier)
+    if args.causal_prefix:
+        drafter.config = dataclasses.replace(drafter.config, causal_prefix=True)
     print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters", flush=True)
     train_drafter(drafter, sources, targets, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                   seed=args.seed, verifier_encoder=verifier.get_encoder() if drafter.encoder is None else None,

@@ -472,7 +472,7 @@ class AggressiveGenerator:
         scoring = _FairseqGreedyScores(decoder, gen, max_len)
         prompt = torch.full((rows, 1), self.eos if bos_token is None else bos_token, dtype=torch.long,
                             device=src_tokens.device)
-        drafting = self._start_drafting(src_tokens, encoder_out)
+        drafting = self._start_drafting(src_tokens, encoder_out, max_len + 2)
         try:
             sequences, gained = aggressive_greedy(scoring, state, prompt, None, drafting, {self.eos}, gen.pad,
                                                   max_len + 2, self.block_size, self.acceptance)
@@ -485,13 +485,13 @@ class AggressiveGenerator:
         logger.info("lightgen %s: %s (all so far: %s)", self.method, batch, self.stats)
         return self._hypotheses(sequences, gained, scoring.passes)
 
-    def _start_drafting(self, src_tokens, encoder_out):
+    def _start_drafting(self, src_tokens, encoder_out, max_length: int):
         sources = self.draft_sources(src_tokens)
         if self.drafter is None:
             return CopyFromInput(sources)
         padding = encoder_out["encoder_padding_mask"]
         return self.drafter.start(sources, encoder_out["encoder_out"][0].transpose(0, 1),
-                                  ~padding[0] if padding else None)
+                                  ~padding[0] if padding else None, max_length)
 
     def draft_sources(self, src_tokens: torch.Tensor) -> list[list[int]]:
         """What each row copies its drafts from: its source sentence (EOS included), in target ids."""

@@ -6,6 +6,12 @@ scores are lowered by ``diversity_penalty`` times how often each token was just 
 earlier groups of the same sentence (Hamming diversity), then HF's other processors run, and each
 group keeps its best ``num_beams // num_beam_groups`` continuations with v4's finished-hypothesis
 bookkeeping. With one group it is ordinary beam search.
+
+With ``return_dict_in_generate`` it returns HF's beam output: ``sequences_scores`` (v4's hypothesis
+scores), ``scores`` (per step, every row's processed log-probabilities: after the Hamming penalty and
+the processors, before the running beam score is added, as v4), ``logits`` and ``beam_indices``. v4
+numbered a group's beams within the group; here, as in HF's beam search, ``beam_indices`` holds the
+row (``batch_index * num_beams + beam``) each token was chosen from, so one group equals beam search.
 """
 
 from __future__ import annotations
@@ -20,15 +26,15 @@ class Hypotheses:
     def __init__(self, size: int, length_penalty: float, early_stopping, max_length: int) -> None:
         self.size, self.length_penalty = size, length_penalty
         self.early_stopping, self.max_length = early_stopping, max_length
-        self.beams: list[tuple[float, torch.Tensor]] = []
+        self.beams: list[tuple[float, torch.Tensor, torch.Tensor]] = []  # (score, tokens, beam indices)
         self.worst_score = 1e9
 
-    def add(self, tokens: torch.Tensor, sum_logprobs: float, generated_len: int) -> None:
+    def add(self, tokens: torch.Tensor, sum_logprobs: float, generated_len: int, beam_indices: torch.Tensor) -> None:
         score = sum_logprobs / (generated_len ** self.length_penalty)
         if len(self.beams) < self.size or score > self.worst_score:
-            self.beams.append((score, tokens))
+            self.beams.append((score, tokens, beam_indices))
             if len(self.beams) > self.size:
-                ranked = sorted((s, index) for index, (s, _) in enumerate(self.beams))
+                ranked = sorted((beam[0], index) for index, beam in enumerate(self.beams))
                 del self.beams[ranked[0][1]]
                 self.worst_score = ranked[1][0]
             else:
@@ -57,7 +63,7 @@ def _hamming_penalty(scores, current_tokens, group, group_size, num_beams, penal
 
 
 def group_beam_search(decoder, state, input_ids, prompt_positions, logits_processor, stopping_criteria,
-                      generation_config):
+                      generation_config, output_class):
     num_beams, groups = generation_config.num_beams, generation_config.num_beam_groups
     group_size = num_beams // groups
     pad_token_id = generation_config._pad_token_tensor
@@ -79,17 +85,27 @@ def group_beam_search(decoder, state, input_ids, prompt_positions, logits_proces
     beam_scores = beam_scores.view(-1)
     group_rows = [torch.tensor([b * num_beams + g * group_size + j for b in range(batch) for j in range(group_size)],
                                device=device) for g in range(groups)]
+    keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+    keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    all_scores = () if keep_scores else None
+    raw_logits = () if keep_logits else None
+    # Per running row, the row each of its generated tokens was chosen from.
+    history = torch.full((rows, max_length - prompt_len), -1, dtype=torch.long, device=device)
 
     logits = decoder.step(state, input_ids, prompt_positions)
     while True:
         current_tokens = torch.zeros(rows, dtype=input_ids.dtype, device=device)
         reorder = torch.zeros(rows, dtype=torch.long, device=device)
+        processed = torch.empty_like(logits) if keep_scores else None
+        step = cur_len - prompt_len
         for group, members in enumerate(group_rows):
             group_sequences = sequences[members, :cur_len]
             scores = nn.functional.log_softmax(logits[members], dim=-1)
             scores = _hamming_penalty(scores, current_tokens, group, group_size, num_beams,
                                       generation_config.diversity_penalty or 0.0)
             scores = logits_processor(group_sequences, scores)
+            if keep_scores:
+                processed[members] = scores
             vocab = scores.shape[-1]
             scores = (scores + beam_scores[members, None]).view(batch, group_size * vocab)
             top_scores, top_indices = torch.topk(scores, keep_per_group, dim=1, largest=True, sorted=True)
@@ -107,7 +123,10 @@ def group_beam_search(decoder, state, input_ids, prompt_positions, logits_proces
                     token, source = index % vocab, b * group_size + index // vocab
                     if token in eos_ids:
                         if rank < group_size:
-                            hypotheses[slot].add(group_sequences[source].clone(), score, cur_len + 1 - prompt_len)
+                            indices = history[members[source], :step + 1].clone()
+                            indices[step] = _row(source, group, group_size, num_beams)
+                            hypotheses[slot].add(group_sequences[source].clone(), score, cur_len + 1 - prompt_len,
+                                                 indices)
                     else:
                         next_scores[b, filled], next_tokens[b, filled], next_sources[b, filled] = score, token, source
                         filled += 1
@@ -119,17 +138,34 @@ def group_beam_search(decoder, state, input_ids, prompt_positions, logits_proces
             sequences[members, : cur_len] = group_sequences[sources]
             sequences[members, cur_len] = next_tokens.view(-1)
             current_tokens[members] = next_tokens.view(-1)
-            reorder[members] = num_beams * (sources // group_size) + group * group_size + sources % group_size
+            reorder[members] = _row(sources, group, group_size, num_beams)
+            history[members] = history[members[sources]]
+            history[members, step] = reorder[members]
+        if keep_scores:
+            all_scores += (processed,)
+        if keep_logits:
+            raw_logits += (logits.clone(),)
         cur_len += 1
         if all(done) or bool(stopping_criteria(sequences[:, :cur_len], None).all()):
             break
         state.reorder(reorder)
         logits = decoder.step(state, current_tokens[:, None])
-    return _finalize(sequences[:, :cur_len], beam_scores, hypotheses, done, generation_config, prompt_len, groups)
+    decoded, best_scores, beam_indices = _finalize(sequences[:, :cur_len], beam_scores, history, hypotheses, done,
+                                                   generation_config, prompt_len, groups)
+    if not generation_config.return_dict_in_generate:
+        return decoded
+    return output_class(sequences=decoded, sequences_scores=best_scores if keep_scores else None, scores=all_scores,
+                        logits=raw_logits, beam_indices=beam_indices)
 
 
-def _finalize(sequences, beam_scores, hypotheses, done, generation_config, prompt_len, groups):
-    """v4's ``BeamSearchScorer.finalize``: add running beams, pick the best hypotheses over groups."""
+def _row(sources, group: int, group_size: int, num_beams: int):
+    """Group-local beam numbers (``sentence * group_size + beam``) -> rows of the whole batch."""
+    return num_beams * (sources // group_size) + group * group_size + sources % group_size
+
+
+def _finalize(sequences, beam_scores, history, hypotheses, done, generation_config, prompt_len, groups):
+    """v4's ``BeamSearchScorer.finalize``: add running beams, pick the best hypotheses over groups. Returns
+    the sequences, their scores and their beam indices (-1 after each one's end)."""
     group_size = generation_config.num_beams // groups
     keep = generation_config.num_return_sequences
     eos = generation_config._eos_token_tensor
@@ -138,12 +174,14 @@ def _finalize(sequences, beam_scores, hypotheses, done, generation_config, promp
             continue
         for j in range(group_size):
             row = slot * group_size + j
-            hyp.add(sequences[row], beam_scores[row].item(), sequences.shape[-1] - prompt_len)
-    best = []
+            hyp.add(sequences[row], beam_scores[row].item(), sequences.shape[-1] - prompt_len,
+                    history[row, :sequences.shape[-1] - prompt_len])
+    chosen = []
     for b in range(len(hypotheses) // groups):
         candidates = sorted((beam for hyp in hypotheses[b * groups:(b + 1) * groups] for beam in hyp.beams),
                             key=lambda beam: beam[0])
-        best.extend(candidates.pop()[1] for _ in range(keep))
+        chosen.extend(candidates.pop() for _ in range(keep))
+    best = [tokens for _, tokens, _ in chosen]
     lengths = [len(tokens) for tokens in best]
     width = min(max(lengths) + 1, generation_config.max_length)
     pad = generation_config._pad_token_tensor
@@ -153,4 +191,9 @@ def _finalize(sequences, beam_scores, hypotheses, done, generation_config, promp
         decoded[row, : len(tokens)] = tokens
         if len(tokens) < width and eos is not None:
             decoded[row, len(tokens)] = eos[0]
-    return decoded
+    beam_indices = torch.full((len(chosen), max(len(indices) for _, _, indices in chosen)), -1, dtype=torch.long,
+                              device=sequences.device)
+    for row, (_, _, indices) in enumerate(chosen):
+        beam_indices[row, :len(indices)] = indices
+    scores = torch.tensor([score for score, _, _ in chosen], device=sequences.device)
+    return decoded, scores, beam_indices

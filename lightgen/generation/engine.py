@@ -149,8 +149,6 @@ def _unsupported(generation_config, model_kwargs) -> str | None:
             return f"'{flag}=True' is not supported"
     if generation_config.use_cache is False:
         return "use_cache=False is not supported"
-    if mode == GenerationMode.GROUP_BEAM_SEARCH and generation_config.return_dict_in_generate:
-        return "return_dict_in_generate with diverse beam search is not supported"
     unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _KNOWN_MODEL_KWARGS)
     if unknown:
         return f"model inputs {unknown} are not supported"
@@ -210,7 +208,7 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
     try:
         if generation_config.get_generation_mode() == GenerationMode.GROUP_BEAM_SEARCH:
             return group_beam_search(decoder, state, input_ids, prompt_positions, logits_processor,
-                                     stopping_criteria, generation_config)
+                                     stopping_criteria, generation_config, outputs[1])
         if generation_config.num_beams > 1:
             return _beam_search(model, decoder, state, input_ids, prompt_positions, logits_processor,
                                 stopping_criteria, generation_config, outputs[1])

@@ -214,11 +214,19 @@ def test_group_beam_search_with_one_group_is_hf_beam_search(family, settings, mo
 
     monkeypatch.setattr(engine, "_beam_search", lambda model, decoder, state, input_ids, positions, processors,
                         criteria, config, output_class: diverse.group_beam_search(
-                            decoder, state, input_ids, positions, processors, criteria, config))
+                            decoder, state, input_ids, positions, processors, criteria, config, output_class))
     accelerated, reference = _pair(family, 1)
     ids, mask = padded_batch(family, 3, 7, seed=1)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, pad_token_id=1, **settings)
     assert torch.equal(accelerated.generate(**kwargs), reference.generate(**kwargs))
+    scored = dict(kwargs, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    got, expected = accelerated.generate(**scored), reference.generate(**scored)
+    assert type(got) is type(expected) and torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.beam_indices, expected.beam_indices.long())
+    assert len(got.scores) == len(expected.scores) == len(got.logits)
+    for mine, theirs in zip(got.scores + got.logits, expected.scores + expected.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["bart", "llama"])
@@ -242,12 +250,25 @@ def test_diversity_penalty_makes_groups_choose_different_tokens(family):
     assert all(len(set(row.tolist())) == 4 for row in first)
 
 
-def test_diverse_beam_search_with_return_dict_is_a_clear_error():
-    accelerated, _ = _pair("bart", 0)
-    ids, mask = padded_batch("bart", 1, 5)
-    with pytest.raises(ValueError, match="return_dict_in_generate with diverse beam search.*custom_generate="):
-        accelerated.generate(input_ids=ids, attention_mask=mask, num_beams=4, num_beam_groups=2,
-                             diversity_penalty=0.5, max_new_tokens=5, return_dict_in_generate=True)
+@pytest.mark.parametrize("family", ["bart", "gpt2"])
+def test_diverse_beam_search_returns_scores_and_beam_indices(family):
+    """sequences_scores: each hypothesis's summed scores (the processed per-step scores of its tokens along
+    its beam indices) over its length to the length penalty, as v4's hypotheses score them."""
+    accelerated, _ = _pair(family, 4)
+    ids, mask = padded_batch(family, 2, 6, seed=4)
+    out = accelerated.generate(input_ids=ids, attention_mask=mask, num_beams=4, num_beam_groups=2,
+                               diversity_penalty=0.7, num_return_sequences=2, max_new_tokens=7, pad_token_id=1,
+                               length_penalty=1.5, return_dict_in_generate=True, output_scores=True)
+    plain = accelerated.generate(input_ids=ids, attention_mask=mask, num_beams=4, num_beam_groups=2,
+                                 diversity_penalty=0.7, num_return_sequences=2, max_new_tokens=7, pad_token_id=1,
+                                 length_penalty=1.5)
+    assert torch.equal(out.sequences, plain)
+    start = 1 if family in SEQ2SEQ else ids.shape[1]
+    for row in range(out.sequences.shape[0]):
+        steps = int((out.beam_indices[row] >= 0).sum())
+        tokens = out.sequences[row, start:start + steps]
+        total = sum(out.scores[t][out.beam_indices[row, t], tokens[t]] for t in range(steps))
+        torch.testing.assert_close(out.sequences_scores[row], total / steps ** 1.5, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", GENERATING)

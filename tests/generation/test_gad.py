@@ -70,6 +70,55 @@ def test_drafting_on_the_kernels_equals_the_module(encoder_layers, seed):
     assert drafter.drafting_layers() is not layers
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_causal_prefix_drafting_from_its_cache_equals_the_module(seed):
+    """A ``causal_prefix`` drafter drafts from cached keys/values of the output so far: over successive
+    drafts with outputs growing by different amounts, rows leaving and a block size changing, its drafts'
+    logits equal the module's full recomputation."""
+    torch.manual_seed(seed)
+    drafter = NARDrafter(DrafterConfig(vocab_size=VOCAB, pad_token_id=1, d_model=32, heads=4, ffn_dim=48,
+                                       decoder_layers=2, max_positions=64, max_block_size=8,
+                                       causal_prefix=True)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    memory = torch.randn(3, 9, 32, generator=gen)
+    keep = torch.arange(9) < torch.tensor([9, 4, 6])[:, None]
+    session = drafter.start([[5] * 9, [6] * 4, [7] * 6], memory, keep.long(), max_length=40)
+    outputs = [[2], [2], [2]]
+    rows = [0, 1, 2]
+    for step, block in enumerate([4, 4, 6, 3, 8]):
+        if step == 3:
+            rows = [0, 2]  # row 1 finished
+        for row in rows:  # the verifier adds 1..4 tokens per pass
+            outputs[row] += torch.randint(3, VOCAB, (int(torch.randint(1, 5, (1,), generator=gen)),),
+                                          generator=gen).tolist()
+        targets = [outputs[row] + [drafter.mask_token_id] * block for row in rows]
+        with torch.inference_mode():
+            index = torch.tensor(rows)
+            expected = drafter.decode(memory[index], ~keep[index], pad_rows(targets, 1), _padding(targets))
+        drafts = session.draft(rows, [outputs[row] for row in rows], [block] * len(rows))
+        assert drafts == expected.argmax(-1).view(len(rows), block).tolist()
+        assert session.cache.filled.tolist() == [len(outputs[0]), len(outputs[1]), len(outputs[2])]
+    long = [2] + [9] * 36  # no room left in the cache for 8 masks: that row stops drafting
+    assert session.draft([0], [long], [8]) == [[]]
+
+
+def test_causal_prefix_outputs_do_not_see_later_tokens():
+    """In ``decode`` (training, and drafting off the kernels) an output token's state ignores what follows."""
+    torch.manual_seed(0)
+    drafter = NARDrafter(DrafterConfig(vocab_size=VOCAB, pad_token_id=1, d_model=32, heads=4, ffn_dim=48,
+                                       decoder_layers=1, max_positions=64, causal_prefix=True)).eval()
+    memory, source_pad = torch.randn(1, 5, 32), torch.zeros(1, 5, dtype=torch.bool)
+    captured = []
+    hook = drafter.decoder.layers[0].register_forward_hook(lambda module, args, out: captured.append(out))
+    mask = drafter.mask_token_id
+    for target in ([[2, 5, 6, mask, mask]], [[2, 5, 6, 7, mask]]):
+        with torch.no_grad():
+            drafter.decode(memory, source_pad, torch.tensor(target), torch.zeros(1, 5, dtype=torch.bool))
+    hook.remove()
+    torch.testing.assert_close(captured[0][0, :3], captured[1][0, :3])  # 2 5 6: same states
+    assert not torch.allclose(captured[0][0, 3], captured[1][0, 3])
+
+
 def test_drafting_outside_float32_cpu_runs_the_module():
     drafter = _random_drafter(0).to(torch.bfloat16)
     assert drafter.drafting_layers() is None
