@@ -124,8 +124,6 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
     ``max_draft`` spare positions: padding after short drafts is written there and rolled back."""
     rows, prompt_len = input_ids.shape
     device = input_ids.device
-    sequences = torch.full((rows, max_length), pad_token_id, dtype=input_ids.dtype, device=device)
-    sequences[:, :prompt_len] = input_ids
     outputs = [row.tolist() for row in input_ids]  # full sequences so far, per row
     live = list(range(rows))  # original row index of each row still decoding
     gained = [[] for _ in range(rows)]
@@ -156,8 +154,6 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
                     break
             outputs[row].extend(new_tokens)
             gained[row].append(len(new_tokens))
-            sequences[row, len(outputs[row]) - len(new_tokens): len(outputs[row])] = torch.tensor(
-                new_tokens, dtype=sequences.dtype)
         state.roll_back(torch.tensor(rejected, device=device))
         if len(finished) == len(live):
             break
@@ -167,8 +163,7 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
             live = [live[slot] for slot in keep]
         drafts = _draft(drafter, live, outputs, max_length, max_draft)
         logits = _verify(decoder, state, outputs, live, drafts, pad_token_id, input_ids.dtype)
-    final_length = max(len(output) for output in outputs)
-    return sequences[:, :final_length], gained
+    return pad_rows(outputs, pad_token_id, device).to(input_ids.dtype), gained
 
 
 def _draft(drafter, live, outputs, max_length, max_draft) -> list[list[int]]:
