@@ -112,6 +112,8 @@ def accelerate_model(model, *, quantize: str | None = None, pack: bool = True, *
     if decoder is not None:
         patcher.set(model, engine.DECODER_ATTR, decoder)
         patcher.set(model, "generate", types.MethodType(engine.accelerated_generate, model))
+        patcher.set(model, "_prepare_cache_for_generation", types.MethodType(engine.deferred_cache_preparation,
+                                                                              model))
     patcher.set(model, PATCHER_ATTR, patcher)
     return model
 

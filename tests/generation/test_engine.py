@@ -119,6 +119,32 @@ def test_unsupported_argument_falls_back_with_a_warning(monkeypatch):
                              return_dict_in_generate=True)
 
 
+@pytest.mark.parametrize("family", ["bart", "gpt2"])
+def test_hf_cache_is_built_only_when_hf_loop_runs(family, monkeypatch):
+    """lightgen's loop skips HF's cache object (it never reads it); a fall back inside the engine (here
+    output_attentions, refused after HF's front half) builds it and returns HF's own result."""
+    from transformers import GenerationMixin
+
+    built = []
+    original = GenerationMixin._prepare_cache_for_generation
+    monkeypatch.setattr(GenerationMixin, "_prepare_cache_for_generation",
+                        lambda model, *args, **kwargs: built.append(1) or original(model, *args, **kwargs))
+    accelerated, reference = _pair(family, 6)
+    ids, mask = padded_batch(family, 2, 6, seed=6)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, pad_token_id=1)
+    assert torch.equal(accelerated.generate(**kwargs), reference.generate(**kwargs))
+    assert len(built) == 1  # the reference's
+    config = copy.deepcopy(reference.generation_config)  # in a config, it reaches the engine's own check
+    config.output_attentions = config.return_dict_in_generate = True
+    with pytest.warns(RuntimeWarning, match="'output_attentions=True' is not supported"):
+        got = accelerated.generate(**kwargs, generation_config=config)
+    expected = reference.generate(**kwargs, generation_config=config)
+    assert len(built) == 3 and got.cache is not None
+    assert torch.equal(got.sequences, expected.sequences)
+    attentions = got.decoder_attentions if family == "bart" else got.attentions
+    assert len(attentions) == 5
+
+
 def test_too_long_generation_is_a_clear_error():
     accelerated, _ = _pair("bart", 0)
     ids, mask = padded_batch("bart", 1, 4)
