@@ -50,6 +50,7 @@ def test_drafting_on_the_kernels_equals_the_module(encoder_layers, seed):
     """Drafting runs ``drafting_layers()`` (packed weights, cross K/V once per call): the same logits as
     the nn.Module, for padded rows of different lengths and block sizes, and again after the weights change."""
     drafter = _random_drafter(seed, encoder_layers)
+    drafter.drafting_precision = None  # float32: the module's logits to rounding (int8: below)
     gen = torch.Generator().manual_seed(seed)
     sources = [torch.randint(3, VOCAB, (length,), generator=gen).tolist() for length in (7, 3, 11)]
     memory = torch.randn(3, 11, 32, generator=gen)
@@ -68,6 +69,12 @@ def test_drafting_on_the_kernels_equals_the_module(encoder_layers, seed):
         with torch.no_grad():
             drafter.decoder.layers[0].linear1.weight.mul_(3.0)  # an optimizer step would do this in place
     assert drafter.drafting_layers() is not layers
+    drafter.drafting_precision = "int8"  # the default: weight-only int8 linears, close to float32
+    layers = drafter.drafting_layers()
+    with torch.inference_mode():
+        expected = drafter.decode(session.memory, session.source_pad, target, target_pad)
+        got = layers.decode(layers.cross_keys_values(session.memory), ~session.source_pad, target, target_pad)
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -79,6 +86,7 @@ def test_causal_prefix_drafting_from_its_cache_equals_the_module(seed):
     drafter = NARDrafter(DrafterConfig(vocab_size=VOCAB, pad_token_id=1, d_model=32, heads=4, ffn_dim=48,
                                        decoder_layers=2, max_positions=64, max_block_size=8,
                                        causal_prefix=True)).eval()
+    drafter.drafting_precision = None
     gen = torch.Generator().manual_seed(seed)
     memory = torch.randn(3, 9, 32, generator=gen)
     keep = torch.arange(9) < torch.tensor([9, 4, 6])[:, None]
