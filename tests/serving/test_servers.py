@@ -163,6 +163,17 @@ def test_health_endpoints(server):
         assert info["limits"]["max_new_tokens"] == MAX_NEW_TOKENS and info["limits"]["max_batch_size"] == 16
 
 
+def _replica_counts(client, replicas: int, timeout_s: float = 60.0) -> dict:
+    """{replica: requests it has served}, from /stats, which one replica answers per call (Ray routes it);
+    polled until ``replicas`` of them answered, or the time is up."""
+    counts = {}
+    deadline = time.monotonic() + timeout_s
+    while len(counts) < replicas and time.monotonic() < deadline:
+        _, body = client._call("/stats")
+        counts[body["replica"]] = sum(int(size) * count for size, count in body["batch_sizes"].items())
+    return counts
+
+
 def test_ray_spreads_requests_over_replicas(direct):
     """--num-replicas 2 (one thread each): every request answered as direct generate, both replicas served."""
     _require("ray")
@@ -170,14 +181,12 @@ def test_ray_spreads_requests_over_replicas(direct):
     process = ServerProcess("ray", ["--num-replicas", "2", "--threads", "1", "--max-new-tokens", str(MAX_NEW_TOKENS),
                                     "--max-batch-size", "4", "--max-delay-ms", "50"])
     with process as client:
+        # Ray's router learns of replicas as they start: load them only once both answer.
+        assert len(_replica_counts(client, 2)) == 2, "the second replica never answered"
         requests = [{"text": text} for text in sentences * 2]
         got = _concurrently([lambda r=r: client.generate([r])[0]["output_ids"] for r in requests])
         assert got == [answers[r["text"], 1] for r in requests]
-        served = {}
-        deadline = time.monotonic() + 30
-        while len(served) < 2 and time.monotonic() < deadline:  # /stats answers from one replica per call
-            _, body = client._call("/stats")
-            served[body["replica"]] = sum(int(size) * count for size, count in body["batch_sizes"].items())
+        served = _replica_counts(client, 2)
     assert len(served) == 2 and sum(served.values()) == len(requests) and min(served.values()) > 0, served
     _assert_clean_stop(process)
 
