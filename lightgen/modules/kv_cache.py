@@ -47,36 +47,45 @@ POOL = BufferPool()
 
 
 class StaticKVCache:
-    """Self-attention K/V of every decoder layer, [rows, kv_heads, max_len, head_dim], written in place.
+    """Self-attention K/V of every decoder layer, ``keys[layer]`` / ``values[layer]`` [rows, kv_heads,
+    max_len, head_dim], written in place.
 
-    Beam reordering and dropping finished rows gather into a second set of buffers and swap, so no
-    cache memory is allocated per step; ``rows`` shrinks as finished rows are dropped.
+    Beam reordering and dropping finished rows gather layer by layer into one spare layer-sized buffer
+    and swap it in (the layer's old buffer becomes the spare): no cache memory is allocated per step, and
+    the cache costs one layer more than its contents, not twice them. ``rows`` shrinks as finished rows
+    are dropped.
     """
 
     def __init__(self, layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int, dtype, device) -> None:
-        shape = (layers, rows, kv_heads, max_len, head_dim)
-        self.keys = POOL.take(shape, dtype, device)
-        self.values = POOL.take(shape, dtype, device)
-        self._spare_keys: torch.Tensor | None = None
-        self._spare_values: torch.Tensor | None = None
+        self._take((layers, rows, kv_heads, max_len, head_dim), dtype, device)
         self.max_len = max_len
         self.rows = rows  # rows still decoding; the buffers keep their full size
         self.length = 0  # positions filled, shared by all rows
 
+    def _take(self, shape, dtype, device) -> None:
+        # Pooled as one block per kind (the pool keys buffers by shape); the layers are views into it.
+        self._blocks = [POOL.take(shape, dtype, device) for _ in range(2)]
+        self.keys, self.values = (list(block.unbind(0)) for block in self._blocks)
+        # The two layer-sized buffers taken for reordering (on first use), returned to the pool as taken;
+        # ``_spares`` is whichever key / value layer buffer is free now (after swaps, a view into a block).
+        self._spare_buffers: list[torch.Tensor] = []
+        self._spares: list[torch.Tensor] | None = None
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[index, : self.rows], self.values[index, : self.rows]
+        return self.keys[index][: self.rows], self.values[index][: self.rows]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep rows ``rows`` (int64, any order, possibly fewer) as rows 0..len(rows)-1."""
-        if self._spare_keys is None:
-            self._spare_keys = POOL.take(self.keys.shape, self.keys.dtype, self.keys.device)
-            self._spare_values = POOL.take(self.values.shape, self.values.dtype, self.values.device)
+        if self._spares is None:
+            self._spare_buffers = [POOL.take(self.keys[0].shape, self.keys[0].dtype, self.keys[0].device)
+                                   for _ in range(2)]
+            self._spares = list(self._spare_buffers)
         kept, filled = rows.numel(), slice(0, self.length)
-        active = slice(0, self.rows)
-        torch.index_select(self.keys[:, active, :, filled], 1, rows, out=self._spare_keys[:, :kept, :, filled])
-        torch.index_select(self.values[:, active, :, filled], 1, rows, out=self._spare_values[:, :kept, :, filled])
-        self.keys, self._spare_keys = self._spare_keys, self.keys
-        self.values, self._spare_values = self._spare_values, self.values
+        for kind, layers in enumerate((self.keys, self.values)):
+            for index, buffer in enumerate(layers):
+                spare = self._spares[kind]
+                torch.index_select(buffer[: self.rows, :, filled], 0, rows, out=spare[:kept, :, filled])
+                layers[index], self._spares[kind] = spare, buffer
         self.rows = kept
 
     def grow(self, max_len: int) -> None:
@@ -84,16 +93,20 @@ class StaticKVCache:
 
         For callers that learn the output length only while decoding (fairseq's incremental decoder).
         """
-        layers, rows, heads, _, head_dim = self.keys.shape
-        keys = POOL.take((layers, rows, heads, max_len, head_dim), self.keys.dtype, self.keys.device)
-        values = POOL.take(keys.shape, self.values.dtype, self.values.device)
-        filled = (slice(None), slice(0, self.rows), slice(None), slice(0, self.length))
-        keys[filled] = self.keys[filled]
-        values[filled] = self.values[filled]
-        self.release()
-        self.keys, self.values, self.max_len = keys, values, max_len
+        old_keys, old_values, old = self.keys, self.values, (self._blocks, self._spare_buffers)
+        rows, heads, _, head_dim = old_keys[0].shape
+        self._take((len(old_keys), rows, heads, max_len, head_dim), old_keys[0].dtype, old_keys[0].device)
+        filled = (slice(0, self.rows), slice(None), slice(0, self.length))
+        for new_layers, old_layers in ((self.keys, old_keys), (self.values, old_values)):
+            for new, previous in zip(new_layers, old_layers, strict=True):
+                new[filled] = previous[filled]
+        self._give_back(*old)
+        self.max_len = max_len
 
     def release(self) -> None:
-        spares = [t for t in (self._spare_keys, self._spare_values) if t is not None]
-        POOL.give_back(self.keys, self.values, *spares)
-        self._spare_keys = self._spare_values = None
+        self._give_back(self._blocks, self._spare_buffers)
+        self._spare_buffers, self._spares = [], None
+
+    @staticmethod
+    def _give_back(blocks, spare_buffers) -> None:
+        POOL.give_back(*blocks, *spare_buffers)

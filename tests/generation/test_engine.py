@@ -164,6 +164,33 @@ def test_buffers_are_reused_across_calls():
     assert pooled and pooled == {id(t) for free in POOL._free.values() for t in free}
 
 
+def test_cache_reorders_through_one_spare_layer_and_pools_only_what_it_took():
+    """Reordering swaps each layer with one spare layer-sized buffer; what goes back to the pool is the
+    buffers taken (never a view into another), so the next cache shares memory with nothing."""
+    from lightgen.modules.kv_cache import POOL, StaticKVCache
+
+    POOL.clear()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):  # later rounds reuse pooled buffers
+        cache = StaticKVCache(3, 4, 2, 10, 8, torch.float32, "cpu")
+        contents = [torch.randn(4, 2, 10, 8, generator=gen) for _ in range(6)]
+        for buffer, content in zip(cache.keys + cache.values, contents, strict=True):
+            buffer.copy_(content)
+        cache.length = 7
+        for rows in (torch.tensor([1, 1, 3, 0]), torch.tensor([3, 2, 0, 1]), torch.tensor([2, 0])):
+            contents = [content[rows] for content in contents]
+            cache.select_rows(rows)
+            for layer in range(3):
+                for got, expected in zip(cache.layer(layer), (contents[layer], contents[3 + layer]), strict=True):
+                    assert torch.equal(got[:, :, :7], expected[:, :, :7])
+        taken = cache._blocks + cache._spare_buffers
+        assert sum(t.numel() for t in taken) == 2 * (3 + 1) * 4 * 2 * 10 * 8  # layers + 1 spare, per kind
+        cache.release()
+        pooled = [t for free in POOL._free.values() for t in free]
+        assert {id(t) for t in pooled} >= {id(t) for t in taken}
+        assert all(t._base is None for t in pooled)
+
+
 def test_concurrent_generate_calls_each_get_their_own_result():
     accelerated, reference = _pair("bart", 2)
     inputs = [padded_batch("bart", 2, 5 + i, seed=i) for i in range(4)]

@@ -287,8 +287,9 @@ def test_rolled_back_cache_is_the_greedy_cache(drafts):
     assert torch.equal(sequences, expected)
     filled = int(state.lengths[0])
     assert filled == expected.shape[1] - 1 == greedy_state.cache.length
-    torch.testing.assert_close(state.cache.keys[:, :1, :, :filled], greedy_state.cache.keys[:, :1, :, :filled])
-    torch.testing.assert_close(state.cache.values[:, :1, :, :filled], greedy_state.cache.values[:, :1, :, :filled])
+    for index in range(len(state.cache.keys)):
+        for got, expected_kv in zip(state.cache.layer(index), greedy_state.cache.layer(index), strict=True):
+            torch.testing.assert_close(got[:1, :, :filled], expected_kv[:1, :, :filled])
     state.release()
     greedy_state.release()
 
