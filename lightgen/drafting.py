@@ -560,11 +560,66 @@ def drafter_for(verifier, **sizes) -> NARDrafter:
     return drafter
 
 
+class _HFVerifier:
+    """A Hugging Face seq2seq model folder as ``train-drafter`` distils from it."""
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
+
+        from lightgen import accelerate_model
+
+        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+        self.model = accelerate_model(AutoModelForSeq2SeqLM.from_pretrained(folder, dtype=torch.float32).eval())
+        self.encoder = self.model.get_encoder()
+
+    def greedy(self, lines: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+        sources = self.tokenizer(lines)["input_ids"]
+        return sources, greedy_targets(self.model, sources, self.model.config.pad_token_id)
+
+    def new_drafter(self) -> NARDrafter:
+        return drafter_for(self.model)
+
+
+class _FairseqVerifier:
+    """A fairseq translation checkpoint (and its dictionaries) as ``train-drafter`` distils from it."""
+
+    def __init__(self, checkpoint: Path, data_dir: Path | None) -> None:
+        from lightgen.adapters.fairseq import encoder_for_drafting
+        from lightgen.serving.fairseq_model import load_fairseq_checkpoint
+
+        model, _ = load_fairseq_checkpoint(checkpoint, data_dir)
+        self.hub = model.hub
+        self.encoder = encoder_for_drafting(self.hub.models[0])
+        source, target = self.hub.task.source_dictionary, self.hub.task.target_dictionary
+        if source.pad() != target.pad():
+            raise ValueError(f"the drafter pads sources and outputs alike: the dictionaries' pad ids differ "
+                             f"({source.pad()} and {target.pad()})")
+
+    def greedy(self, lines: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+        """Source ids and [EOS] + the model's greedy hypothesis (by IAD: the same tokens)."""
+        sources = [self.hub.encode(line) for line in lines]
+        eos = self.hub.task.target_dictionary.eos()
+        hypotheses = self.hub.generate(sources, beam=1, lightgen_decoding="iad")
+        return [source.tolist() for source in sources], [[eos] + hypos[0]["tokens"].tolist() for hypos in hypotheses]
+
+    def new_drafter(self) -> NARDrafter:
+        target = self.hub.task.target_dictionary
+        width = self.hub.models[0].encoder.embed_tokens.embedding_dim
+        drafter = NARDrafter(DrafterConfig(vocab_size=len(target), pad_token_id=target.pad(), d_model=width))
+        embedding = self.hub.models[0].decoder.embed_tokens.weight
+        with torch.no_grad():
+            drafter.tokens.weight[:len(target)] = embedding.float()
+        return drafter
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="lightgen train-drafter",
         description="Distil a GAD drafter for a verifier from the verifier's own greedy outputs.")
     parser.add_argument("--verifier", type=Path, help="HF model folder (default: the shipped demo model)")
+    parser.add_argument("--fairseq-checkpoint", type=Path, help="a fairseq translation checkpoint (.pt) as the "
+                        "verifier instead (needs --text and --out; the drafter serves --lightgen-decoding gad)")
+    parser.add_argument("--fairseq-data", type=Path, help="its dictionaries (dict.*.txt; default: its folder)")
     parser.add_argument("--text", type=Path, help="source sentences, one per line (default: the demo corpus's "
                         "training sentences with synthetic errors)")
     parser.add_argument("--out", type=Path, help="where to save (default: the demo drafter's folder)")
@@ -580,16 +635,14 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.fairseq_checkpoint and not (args.text and args.out):
+        parser.error("--fairseq-checkpoint needs --text (its source sentences) and --out")
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
-
-    from lightgen import accelerate_model
     from lightgen.demo import DRAFTER_DIR, MODEL_DIR, split
     from lightgen.demo.noise import Noiser, number_pairs
 
-    verifier_dir = args.verifier or MODEL_DIR
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(verifier_dir)
-    verifier = accelerate_model(AutoModelForSeq2SeqLM.from_pretrained(verifier_dir, dtype=torch.float32).eval())
+    verifier = (_FairseqVerifier(args.fairseq_checkpoint, args.fairseq_data) if args.fairseq_checkpoint
+                else _HFVerifier(args.verifier or MODEL_DIR))
     if args.text:
         lines = [line.strip() for line in args.text.read_text().splitlines() if line.strip()]
     else:
@@ -603,19 +656,17 @@ def main(argv=None) -> None:
         cached = json.loads(args.targets.read_text())
         sources, targets = cached["sources"], cached["targets"]
     else:
-        sources = tokenizer(lines)["input_ids"]
-        targets = greedy_targets(verifier, sources, verifier.config.pad_token_id)
+        sources, targets = verifier.greedy(lines)
         if args.targets:
             args.targets.write_text(json.dumps(dict(sources=sources, targets=targets)))
     print(f"{len(sources)} greedy targets from the verifier in {time.time() - started:.0f}s", flush=True)
-    drafter = NARDrafter.from_pretrained(args.init) if args.init else drafter_for(verifier)
+    drafter = NARDrafter.from_pretrained(args.init) if args.init else verifier.new_drafter()
     if args.causal_prefix:
         drafter.config = dataclasses.replace(drafter.config, causal_prefix=True)
     print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters", flush=True)
     train_drafter(drafter, sources, targets, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                  seed=args.seed, verifier_encoder=verifier.get_encoder() if drafter.encoder is None else None,
+                  seed=args.seed, verifier_encoder=verifier.encoder if drafter.encoder is None else None,
                   log=lambda line: print(line, flush=True))
     out = args.out or DRAFTER_DIR
     drafter.save_pretrained(out)
     print(f"saved to {out} after {time.time() - started:.0f}s")
-

@@ -22,6 +22,7 @@ from fairseq.models.transformer import TransformerModel  # noqa: E402
 import lightgen  # noqa: E402
 from lightgen.adapters.fairseq import allow_fairseq_checkpoints  # noqa: E402
 from lightgen.drafting import DrafterConfig, NARDrafter  # noqa: E402
+from lightgen.drafting import main as drafter_main  # noqa: E402
 
 pytestmark = pytest.mark.fairseq
 
@@ -160,6 +161,26 @@ def test_aggressive_decoding_same_lines_as_fairseq_greedy(workdir, drafter_dir, 
     assert int(totals[0]) == sum(line.startswith("H-") for line in got)
     if decoding == "iad":  # drafts were accepted
         assert float(totals[1]) > 1.2
+
+
+def test_train_drafter_for_a_fairseq_checkpoint(workdir, tmp_path):
+    """``lightgen train-drafter --fairseq-checkpoint``: distilled from the checkpoint's greedy outputs; the
+    plugin's GAD with it gives fairseq greedy's lines, with drafts accepted."""
+    text = tmp_path / "train.txt"
+    text.write_text("\n".join(_lines(400, 7)) + "\n")
+    drafter_main(["--fairseq-checkpoint", str(workdir / "model.pt"), "--fairseq-data", str(workdir / "bin"),
+                  "--text", str(text), "--out", str(tmp_path / "drafter"), "--steps", "300", "--batch-size", "32",
+                  "--lr", "3e-3", "--threads", "1"])
+    config = NARDrafter.from_pretrained(tmp_path / "drafter").config
+    assert (config.vocab_size, config.d_model, config.encoder_layers) == (len(fm.dictionary()), 64, 0)
+    flags = ["--buffer-size", "6", "--batch-size", "6"]
+    text_in = "\n".join(_lines(12, 2)) + "\n"
+    expected, _ = _run(workdir, "interactive", ["--beam", "1", *flags], plugin=False, stdin=text_in)
+    got, stderr = _run(workdir, "interactive", ["--lightgen-decoding", "gad", "--lightgen-drafter",
+                                                str(tmp_path / "drafter"), *flags], plugin=True, stdin=text_in)
+    assert_same_output(expected, got)
+    tokens_per_pass = float(re.findall(r"all so far: .* ([\d.]+) tokens per pass", stderr)[-1])
+    assert tokens_per_pass > 1.3, stderr[-2000:]
 
 
 def test_gad_without_a_drafter_is_a_clear_error(workdir):
