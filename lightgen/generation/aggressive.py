@@ -113,15 +113,34 @@ class Acceptance:
 GREEDY = Acceptance()  # beta=1: greedy's output exactly
 
 
+@dataclass(frozen=True)
+class DraftBudget:
+    """Draft length per row when the caller sets none: ``longest`` for one row, and from ``total / rows``
+    (at least ``shortest``) as the batch grows. A verification pass over rows x (1 + draft) positions
+    turns compute-bound as rows grow, and drafts past the accepted prefix are wasted work: IAD on the
+    demo model, 64 sentences, ms per call at max_draft 4/6/8/12/16: batch 8 181/179/178/192/194, batch 32
+    161/166/173/186/202, while one row is fastest at 16."""
+
+    longest: int = 16
+    total: int = 64
+    shortest: int = 4
+
+    def per_row(self, rows: int) -> int:
+        return min(self.longest, max(self.shortest, self.total // rows))
+
+
 def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: DraftSession, eos_ids: set[int],
-                      pad_token_id: int, max_length: int, max_draft: int, acceptance: Acceptance = GREEDY,
+                      pad_token_id: int, max_length: int, max_draft: int | DraftBudget,
+                      acceptance: Acceptance = GREEDY,
                       forced_eos: int | None = None) -> tuple[torch.Tensor, list[list[int]]]:
     """Greedy decoding (or GAD++'s relaxation of it), accelerated by ``drafter``'s guesses; a row that
     reaches ``max_length`` ends with ``forced_eos`` when given.
 
-    Returns the sequences and, per row, the tokens each of its decoder passes added (accepted draft
-    tokens + the verifier's own token); a row's pass count is the length of its list. The cache needs
-    ``max_draft`` spare positions: padding after short drafts is written there and rolled back."""
+    ``max_draft``: the most draft tokens per row and pass, or a ``DraftBudget`` that sets it from the
+    number of rows still decoding. Returns the sequences and, per row, the tokens each of its decoder
+    passes added (accepted draft tokens + the verifier's own token); a row's pass count is the length of
+    its list. The cache needs as many spare positions as the longest draft: padding after short drafts is
+    written there and rolled back."""
     rows, prompt_len = input_ids.shape
     device = input_ids.device
     outputs = [row.tolist() for row in input_ids]  # full sequences so far, per row
@@ -167,6 +186,8 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
 
 
 def _draft(drafter, live, outputs, max_length, max_draft) -> list[list[int]]:
+    if isinstance(max_draft, DraftBudget):
+        max_draft = max_draft.per_row(len(live))
     # The verifier's own token needs one more place after the draft.
     sizes = [min(max_draft, max_length - len(outputs[row]) - 1) for row in live]
     drafts = drafter.draft(live, [outputs[row] for row in live], sizes)

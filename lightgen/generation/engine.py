@@ -45,6 +45,7 @@ from lightgen.generation.aggressive import (
     AggressiveDecoderOnlyOutput,
     AggressiveEncoderDecoderOutput,
     CopyFromInput,
+    DraftBudget,
     aggressive_greedy,
 )
 from lightgen.generation.diverse import group_beam_search
@@ -78,12 +79,13 @@ def _fall_back(reason: str, instead: str = "Hugging Face's own generate loop") -
 
 
 def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, *, decoding: str = "auto",
-                         max_draft: int = 16, draft_ids=None, drafter=None, block_size: int = 8, beta: int = 1,
+                         max_draft: int | None = None, draft_ids=None, drafter=None, block_size: int = 8, beta: int = 1,
                          tau: float = 0.0, **kwargs):
     """``model.generate`` after ``accelerate_model``: HF's arguments and outputs, lightgen's loop.
 
     ``decoding="iad"`` runs greedy decoding with input-guided aggressive decoding (drafts copied
-    from the input, verified in one pass, at most ``max_draft`` tokens each): the same tokens as
+    from the input, verified in one pass, at most ``max_draft`` tokens each; by default 16 for one row,
+    fewer as the batch grows, see ``aggressive.DraftBudget``): the same tokens as
     greedy, in fewer decoder passes when the output resembles the input. ``draft_ids`` (one token
     list per row) replaces the input as the text drafts are copied from.
 
@@ -96,7 +98,7 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
         decoding, drafter = "gad", kwargs.pop("assistant_model")
     if decoding not in ("auto", "iad", "gad"):
         raise ValueError(f"lightgen generate: decoding must be 'auto', 'iad' or 'gad', got {decoding!r}")
-    if max_draft < 1 or block_size < 1:
+    if (max_draft is not None and max_draft < 1) or block_size < 1:
         raise ValueError(f"lightgen generate: max_draft and block_size must be >= 1, got {max_draft}, {block_size}")
     if (decoding == "gad") != (drafter is not None):
         raise ValueError("lightgen generate: decoding='gad' needs a drafter, and a drafter needs decoding='gad'")
@@ -105,7 +107,7 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     aggressive = None
     if decoding != "auto":
         aggressive = Aggressive(drafter=drafter, draft_ids=draft_ids, acceptance=Acceptance(beta, tau),
-                                max_draft=block_size if decoding == "gad" else max_draft)
+                                max_draft=block_size if decoding == "gad" else max_draft or DraftBudget())
     original = type(model).generate
     input_ids = inputs if inputs is not None else kwargs.get("input_ids")
     if isinstance(input_ids, torch.Tensor) and (input_ids.dim() != 2 or input_ids.shape[0] == 0):
@@ -166,7 +168,11 @@ class Aggressive:
     drafter: object
     draft_ids: list | None
     acceptance: Acceptance
-    max_draft: int
+    max_draft: int | DraftBudget
+
+    @property
+    def longest_draft(self) -> int:
+        return self.max_draft.longest if isinstance(self.max_draft, DraftBudget) else self.max_draft
 
     @property
     def name(self) -> str:
@@ -258,7 +264,7 @@ def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_proce
     embedding = decoder.spec.token_embedding
     # Spare cache room for the padding after short drafts, which is written and then rolled back.
     start = dict(rows=input_ids.shape[0], max_len=generation_config.max_length, dtype=embedding.dtype,
-                 device=embedding.device, spare_positions=aggressive.max_draft)
+                 device=embedding.device, spare_positions=aggressive.longest_draft)
     mask = model_kwargs.get("attention_mask")
     source = inputs_tensor if model.config.is_encoder_decoder else input_ids
     keep = mask.bool() if mask is not None else torch.ones_like(source, dtype=torch.bool)
@@ -273,7 +279,7 @@ def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_proce
     else:
         encoder_outputs = model_kwargs.get("encoder_outputs")
         drafts = start_session(aggressive.drafter, sources=sources, source_ids=source, source_mask=mask,
-                               max_length=generation_config.max_length, max_draft=aggressive.max_draft,
+                               max_length=generation_config.max_length, max_draft=aggressive.longest_draft,
                                encoder_hidden=encoder_outputs[0] if encoder_outputs is not None else None)
     eos = generation_config._eos_token_tensor
     pad = generation_config._pad_token_tensor

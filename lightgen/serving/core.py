@@ -51,7 +51,7 @@ class Settings:
         kwargs.update({name: getattr(self, name) for name in ("top_k", "top_p", "temperature")
                        if getattr(self, name) is not None})
         if self.decoding == "iad":
-            kwargs.update(decoding="iad", max_draft=self.max_draft or 16)
+            kwargs.update(decoding="iad", max_draft=self.max_draft)  # None: the engine's per-batch default
         elif self.decoding == "gad":
             kwargs.update(decoding="gad", drafter=drafter, block_size=self.max_draft or 8, beta=self.beta or 1,
                           tau=self.tau or 0.0)

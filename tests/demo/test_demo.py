@@ -39,8 +39,8 @@ def _greedy(model, tokenizer, sentences, **kwargs):
         return model.generate(**enc, do_sample=False, num_beams=1, max_length=128, **kwargs)
 
 
-@pytest.mark.parametrize("batch", [1, 3, 8])
-@pytest.mark.parametrize("max_draft", [4, 16])
+@pytest.mark.parametrize("batch", [1, 3, 8, 24])
+@pytest.mark.parametrize("max_draft", [4, 16, None])  # None: the per-batch default (16 at batch 1, 4 at 24)
 def test_iad_equals_greedy_on_held_out_sentences(models, batch, max_draft):
     """Padded batches of real sentences (with and without errors): IAD returns HF greedy's tokens."""
     reference, accelerated, tokenizer = models
@@ -50,6 +50,22 @@ def test_iad_equals_greedy_on_held_out_sentences(models, batch, max_draft):
         expected = _greedy(reference, tokenizer, chunk)
         got = _greedy(accelerated, tokenizer, chunk, decoding="iad", max_draft=max_draft)
         assert torch.equal(got, expected), chunk
+
+
+def test_iad_default_draft_shrinks_as_the_batch_grows(models):
+    """Without max_draft a pass adds up to 17 tokens to a row at batch 1 and at most 5 while 24 rows decode
+    (draft + the verifier's own token)."""
+    from lightgen.generation.aggressive import DraftBudget
+
+    assert [DraftBudget().per_row(rows) for rows in (1, 4, 8, 16, 32, 64)] == [16, 16, 8, 4, 4, 4]
+    _, accelerated, tokenizer = models
+    sources, _ = held_out_pairs(24)
+    alone = [_greedy(accelerated, tokenizer, [source], decoding="iad", return_dict_in_generate=True)
+             for source in sources[:4]]
+    assert 5 < max(int(out.tokens_per_iteration[0].max()) for out in alone) <= 17
+    batched = _greedy(accelerated, tokenizer, sources, decoding="iad", return_dict_in_generate=True)
+    # The first pass has all 24 rows (later ones fewer, as rows finish, so longer drafts again).
+    assert max(int(row[0]) for row in batched.tokens_per_iteration) <= 5
 
 
 def test_iad_accepts_many_tokens_per_pass(models):
