@@ -48,13 +48,15 @@ class FairseqSeq2Seq:
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, num_beams: int = 1,
                  do_sample: bool = False, top_k: int | None = None, top_p: float | None = None,
-                 temperature: float | None = None, decoding: str = "auto", max_draft: int = 16, drafter=None,
+                 temperature: float | None = None, decoding: str = "auto", max_draft: int | None = None, drafter=None,
                  block_size: int = 8, beta: int = 1, tau: float = 0.0) -> torch.Tensor:
         # fairseq's limit excludes the final EOS; HF's max_new_tokens counts it.
         settings = dict(beam=num_beams, max_len_a=0, max_len_b=max_new_tokens - 1, sampling=do_sample,
                         sampling_topk=top_k or -1, sampling_topp=top_p or -1.0, temperature=temperature or 1.0)
         if decoding == "iad":
-            settings.update(lightgen_decoding="iad", lightgen_block_size=max_draft)
+            settings.update(lightgen_decoding="iad")
+            if max_draft is not None:  # else the plugin's default block size
+                settings.update(lightgen_block_size=max_draft)
         elif decoding == "gad":
             settings.update(lightgen_decoding="gad", lightgen_drafter=str(drafter), lightgen_block_size=block_size,
                             lightgen_beta=beta, lightgen_tau=tau)
