@@ -323,6 +323,7 @@ class _NARSession:
                 self.memory = drafter.encode(source, self.source_pad)
         self.layers = drafter.drafting_layers()
         self.cache = None
+        self._selected_rows: list[int] | None = None
         if self.layers is not None:
             with torch.inference_mode():
                 self.cross = self.layers.cross_keys_values(self.memory)
@@ -342,18 +343,24 @@ class _NARSession:
         targets = [output[-context:] + [drafter.mask_token_id] * block for output in outputs]
         target = pad_rows(targets, config.pad_token_id, self.memory.device)
         target_pad = _padding(targets, self.memory.device)
-        index = torch.tensor(rows, device=self.memory.device)
         with torch.inference_mode():
+            index, memory, source_keep = self._rows(rows)
             if self.layers is None:
-                logits = drafter.decode(self.memory.index_select(0, index), self.source_pad.index_select(0, index),
-                                        target, target_pad)
+                logits = drafter.decode(memory, ~source_keep, target, target_pad)
             else:
-                logits = self.layers.decode(self._cross(index), ~self.source_pad.index_select(0, index), target,
-                                            target_pad)
+                logits = self.layers.decode(memory, source_keep, target, target_pad)
         return logits.argmax(-1).view(len(rows), block).tolist()
 
-    def _cross(self, index):
-        return [(keys.index_select(0, index), values.index_select(0, index)) for keys, values in self.cross]
+    def _rows(self, rows: list[int]):
+        """(index, encoder side, source_keep) of ``rows``: the encoder output (module path) or the
+        cross-attention K/V (kernels), selected again only when the rows change (rows finish) rather than
+        on every pass."""
+        if rows != self._selected_rows:
+            index = torch.tensor(rows, device=self.memory.device)
+            memory = (self.memory.index_select(0, index) if self.layers is None else
+                      [(keys.index_select(0, index), values.index_select(0, index)) for keys, values in self.cross])
+            self._selected_rows, self._selected = list(rows), (index, memory, ~self.source_pad.index_select(0, index))
+        return self._selected
 
     def _draft_cached(self, rows, outputs, block):
         """Rows whose output would outgrow the cache stop drafting (the verifier goes on alone)."""
@@ -366,10 +373,10 @@ class _NARSession:
         new = [outputs[slot][filled[rows[slot]]:] for slot in fits]
         target = pad_rows([tokens + [self.drafter.mask_token_id] * block for tokens in new],
                           self.drafter.config.pad_token_id)
-        index = torch.tensor([rows[slot] for slot in fits])
         with torch.inference_mode():
-            logits = self.layers.decode_cached(self.cache, index, torch.tensor(list(map(len, new))),
-                                               self._cross(index), ~self.source_pad.index_select(0, index), target)
+            index, cross, source_keep = self._rows([rows[slot] for slot in fits])
+            logits = self.layers.decode_cached(self.cache, index, torch.tensor(list(map(len, new))), cross,
+                                               source_keep, target)
         for slot, draft in zip(fits, logits.argmax(-1).view(len(fits), block).tolist(), strict=True):
             drafts[slot] = draft
         return drafts
@@ -552,11 +559,15 @@ def drafter_for(verifier, **sizes) -> NARDrafter:
     else:
         sizes.setdefault("encoder_layers", 2)
     drafter = NARDrafter(DrafterConfig(vocab_size=config.vocab_size, pad_token_id=config.pad_token_id, **sizes))
-    embedding = verifier.get_input_embeddings().weight
+    _start_from_embeddings(drafter, verifier.get_input_embeddings().weight)
+    return drafter
+
+
+def _start_from_embeddings(drafter: NARDrafter, embedding: torch.Tensor) -> None:
+    """The verifier's token embeddings as the drafter's, where their widths match."""
     if embedding.shape[1] == drafter.config.d_model:
         with torch.no_grad():
-            drafter.tokens.weight[:config.vocab_size] = embedding.float()
-    return drafter
+            drafter.tokens.weight[:embedding.shape[0]] = embedding.float()
 
 
 class _HFVerifier:
@@ -605,9 +616,7 @@ class _FairseqVerifier:
         target = self.hub.task.target_dictionary
         width = self.hub.models[0].encoder.embed_tokens.embedding_dim
         drafter = NARDrafter(DrafterConfig(vocab_size=len(target), pad_token_id=target.pad(), d_model=width))
-        embedding = self.hub.models[0].decoder.embed_tokens.weight
-        with torch.no_grad():
-            drafter.tokens.weight[:len(target)] = embedding.float()
+        _start_from_embeddings(drafter, self.hub.models[0].decoder.embed_tokens.weight)
         return drafter
 
 
