@@ -7,9 +7,9 @@ fixed number of new tokens with greedy search, beam search and top-k sampling at
 sizes. Providers: ``hf``, the unpatched model's ``generate``; ``lightgen``, a deep copy of the same
 model after ``lightgen.accelerate_model``; ``lightgen-int8``, the same with ``quantize="int8"``;
 and ``ctranslate2`` / ``ctranslate2-int8``, the same weights converted (compute_type float32 /
-int8), when the package is installed. Each provider's first call is checked (lightgen must return
-HF's greedy and beam tokens exactly; the int8 providers report their token agreement with HF's
-fp32 output) and measured for peak memory before the interleaved timing. The run also
+int8), when the package is installed, run in a process of their own. Each provider's first call is
+checked (lightgen must return HF's greedy and beam tokens exactly; the int8 providers report their
+token agreement with HF's fp32 output) and measured for peak memory before the interleaved timing. The run also
 measures the machine's memory bandwidth and, for batch-1 greedy decoding, how close each provider
 gets to the time it takes just to read the decoder's weights once per step.
 Prints markdown tables and writes <out>/generate.json and (with matplotlib) <out>/generate.png.
@@ -21,8 +21,9 @@ import contextlib
 import copy
 import ctypes
 import dataclasses
-import functools
 import json
+import pickle
+import subprocess
 import sys
 import tempfile
 import time
@@ -196,54 +197,86 @@ def save_for_ctranslate2(model: transformers.PreTrainedModel, spec: ModelSpec, d
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **spec.ct2_config_extras}, indent=2))
 
 
-class CTranslate2Generate:
-    """The same weights converted to CTranslate2: a Translator for encoder-decoders, a Generator otherwise."""
+class CTranslate2Worker:
+    """A process of its own that runs CTranslate2 models (why: benchmarks/_ct2_worker.py)."""
 
-    def __init__(self, model: transformers.PreTrainedModel, spec: ModelSpec, workdir: Path, compute_type: str):
+    def __init__(self):
+        self.process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_ct2_worker.py"))],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def request(self, *message):
+        pickle.dump(message, self.process.stdin)
+        self.process.stdin.flush()
+        try:
+            reply = pickle.load(self.process.stdout)
+        except EOFError:
+            raise RuntimeError(f"the CTranslate2 worker exited with status {self.process.wait()}") from None
+        if isinstance(reply, tuple) and reply[:1] == ("error",):
+            raise RuntimeError(f"CTranslate2 worker: {reply[1]}")
+        return reply
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            pickle.dump(("stop",), self.process.stdin)
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class CTranslate2Generate:
+    """The same weights converted to CTranslate2 (a Translator for encoder-decoders, a Generator
+    otherwise), run by ``worker``; a call's time includes one small request and reply through a pipe."""
+
+    def __init__(self, worker: CTranslate2Worker, model: transformers.PreTrainedModel, spec: ModelSpec,
+                 workdir: Path, compute_type: str):
         self.name = CT2 if compute_type == "float32" else CT2_INT8
+        self.worker = worker
         hf_dir, ct2_dir = workdir / "hf", workdir / "ct2"
         if not ct2_dir.exists():  # one conversion serves both compute types
             save_for_ctranslate2(model, spec, hf_dir)
             ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(ct2_dir))
         self.encoder_decoder = model.config.is_encoder_decoder
-        runner = ctranslate2.Translator if self.encoder_decoder else ctranslate2.Generator
-        self.runner = runner(str(ct2_dir), device="cpu", compute_type=compute_type,
-                             intra_threads=torch.get_num_threads(), inter_threads=1)
+        worker.request("load", self.name, str(ct2_dir), compute_type, torch.get_num_threads(), self.encoder_decoder)
 
-    def prepare(self, prompts: torch.Tensor, decoding: Decoding, new_tokens: int) -> Callable[[], list]:
+    def prepare(self, prompts: torch.Tensor, decoding: Decoding, new_tokens: int) -> Callable[..., torch.Tensor]:
         # Tokens are strings in CTranslate2's API; converting outside the timing matches HF getting ids.
         tokens = [[token(token_id) for token_id in row] for row in prompts.tolist()]
         options = dict(beam_size=decoding.num_beams, sampling_topk=TOP_K if decoding.do_sample else 1,
-                       return_scores=False)
+                       return_scores=False, seed=SEED)
         if self.encoder_decoder:
-            call = functools.partial(self.runner.translate_batch, tokens, max_decoding_length=new_tokens,
-                                     min_decoding_length=new_tokens, **options)
+            options.update(max_decoding_length=new_tokens, min_decoding_length=new_tokens)
         else:
-            call = functools.partial(self.runner.generate_batch, tokens, max_length=new_tokens,
-                                     min_length=new_tokens, include_prompt_in_result=False, **options)
+            options.update(max_length=new_tokens, min_length=new_tokens, include_prompt_in_result=False)
 
-        def generate():
-            ctranslate2.set_random_seed(SEED)
-            return call()
+        def generate(measure_rss: bool = False):
+            new_ids, rss_growth = self.worker.request("generate", self.name, tokens, dict(options), measure_rss)
+            return (torch.tensor(new_ids), rss_growth) if measure_rss else torch.tensor(new_ids)
 
         return generate
 
-    def new_token_ids(self, output: list, new_tokens: int) -> torch.Tensor:
-        if self.encoder_decoder:  # a TranslationResult has token strings only
-            return torch.tensor([[int(text[1:]) for text in result.hypotheses[0]] for result in output])
-        return torch.tensor([result.sequences_ids[0] for result in output])
+    @staticmethod
+    def run_for_peak_rss(generate: Callable[..., object]) -> tuple[torch.Tensor, float | None]:
+        return generate(measure_rss=True)
+
+    @staticmethod
+    def new_token_ids(output: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        return output
 
 
 CT2_CONVERTED = "converted"
 
 
-def ctranslate2_providers(model: transformers.PreTrainedModel, spec: ModelSpec,
+def ctranslate2_providers(worker: CTranslate2Worker | None, model: transformers.PreTrainedModel, spec: ModelSpec,
                           workdir: Path) -> tuple[list[CTranslate2Generate], str]:
     """The CTranslate2 providers (float32, int8) and CT2_CONVERTED, or none and why."""
-    if ctranslate2 is None:
+    if worker is None:
         return [], "not installed"
     try:
-        return [CTranslate2Generate(model, spec, workdir, compute) for compute in ("float32", "int8")], CT2_CONVERTED
+        return ([CTranslate2Generate(worker, model, spec, workdir, compute) for compute in ("float32", "int8")],
+                CT2_CONVERTED)
     except Exception as error:  # a converter out of step with transformers should cost only this column
         return [], f"conversion failed: {type(error).__name__}: {error}"
 
@@ -346,7 +379,8 @@ def run_case(providers: list[HFGenerate | CTranslate2Generate], label: str, prom
     for provider in providers:
         with warnings.catch_warnings(record=True) as raised:
             warnings.simplefilter("always")
-            output, rss_growth[provider.name] = run_for_peak_rss(calls[provider.name])
+            measured_run = getattr(provider, "run_for_peak_rss", run_for_peak_rss)
+            output, rss_growth[provider.name] = measured_run(calls[provider.name])
         new_ids[provider.name] = provider.new_token_ids(output, settings.new_tokens)
         caught[provider.name] = sorted({str(warning.message) for warning in raised})
 
@@ -384,8 +418,8 @@ def skip_reason(settings: Settings, batch: int, decoding: Decoding, deadline: fl
     return None
 
 
-def benchmark_model(spec: ModelSpec, settings: Settings, bandwidth_gb_s: float,
-                    deadline: float) -> tuple[ModelReport, list[CaseResult]]:
+def benchmark_model(spec: ModelSpec, settings: Settings, bandwidth_gb_s: float, deadline: float,
+                    ct2_worker: CTranslate2Worker | None) -> tuple[ModelReport, list[CaseResult]]:
     label = spec.label(settings)
     model = build_model(spec, settings)
     accelerated = lightgen.accelerate_model(copy.deepcopy(model))
@@ -393,7 +427,7 @@ def benchmark_model(spec: ModelSpec, settings: Settings, bandwidth_gb_s: float,
     weight_bytes = decoder_bytes_per_step(spec, model)
     results, skipped = [], []
     with tempfile.TemporaryDirectory() as workdir:
-        ct2, ct2_state = ctranslate2_providers(model, spec, Path(workdir))
+        ct2, ct2_state = ctranslate2_providers(ct2_worker, model, spec, Path(workdir))
         if ctranslate2 is not None:
             print(f"{label}: ctranslate2 {ct2_state}", file=sys.stderr)
         providers = [HFGenerate(HF, model), HFGenerate(LIGHTGEN, accelerated), HFGenerate(LIGHTGEN_INT8, quantized),
@@ -486,7 +520,9 @@ def markdown(env: dict, settings: Settings, bandwidth: dict[str, float], models:
     else:
         failures = [f"{m.label}: {m.ctranslate2}" for m in models if m.ctranslate2 != CT2_CONVERTED]
         ct2_line = (f"ctranslate2 {ctranslate2.__version__} = the same weights converted, float32 and int8, "
-                    f"intra_threads={threads}" + (f" (skipped for {'; '.join(failures)})" if failures else ""))
+                    f"intra_threads={threads}, run in a process of its own (in one process with torch, its OpenMP "
+                    "calls join torch's runtime and slow every torch op afterwards: benchmarks/_ct2_worker.py)"
+                    + (f" (skipped for {'; '.join(failures)})" if failures else ""))
     lines = [
         "## lightgen generate() benchmarks",
         "",
@@ -565,10 +601,15 @@ def main(argv: list[str] | None = None) -> None:
     print("measuring memory bandwidth...", file=sys.stderr)
     bandwidth = memory_bandwidth()
     models, results = [], []
-    for spec in MODELS:
-        report, model_results = benchmark_model(spec, settings, max(bandwidth.values()), deadline)
-        models.append(report)
-        results += model_results
+    ct2_worker = CTranslate2Worker() if ctranslate2 else None
+    try:
+        for spec in MODELS:
+            report, model_results = benchmark_model(spec, settings, max(bandwidth.values()), deadline, ct2_worker)
+            models.append(report)
+            results += model_results
+    finally:
+        if ct2_worker:
+            ct2_worker.stop()  # waited for, so its CPU time counts as ours in the contention share
     contention.record(env)
 
     print(markdown(env, settings, bandwidth, models, results))
