@@ -349,7 +349,7 @@ class _NARSession:
                 logits = drafter.decode(memory, ~source_keep, target, target_pad)
             else:
                 logits = self.layers.decode(memory, source_keep, target, target_pad)
-        return logits.argmax(-1).view(len(rows), block).tolist()
+        return ops.greedy_tokens(logits).view(len(rows), block).tolist()
 
     def _rows(self, rows: list[int]):
         """(index, encoder side, source_keep) of ``rows``: the encoder output (module path) or the
@@ -377,7 +377,7 @@ class _NARSession:
             index, cross, source_keep = self._rows([rows[slot] for slot in fits])
             logits = self.layers.decode_cached(self.cache, index, torch.tensor(list(map(len, new))), cross,
                                                source_keep, target)
-        for slot, draft in zip(fits, logits.argmax(-1).view(len(fits), block).tolist(), strict=True):
+        for slot, draft in zip(fits, ops.greedy_tokens(logits).view(len(fits), block).tolist(), strict=True):
             drafts[slot] = draft
         return drafts
 
@@ -445,10 +445,10 @@ class _AssistantSession:
         with torch.inference_mode():
             logits = decoder.step(state, tokens, self._positions(width), all_positions=True)
             state.roll_back(width - lengths)
-            guess = logits[torch.arange(len(rows)), lengths - 1].argmax(-1)
+            guess = ops.greedy_tokens(logits[torch.arange(len(rows)), lengths - 1])
             drafted = [guess]
             for _ in range(block - 1):
-                guess = decoder.step(state, guess[:, None], self._positions(1)).argmax(-1)
+                guess = ops.greedy_tokens(decoder.step(state, guess[:, None], self._positions(1)))
                 drafted.append(guess)
             state.roll_back(torch.full_like(lengths, block - 1))
         for row, output in zip(rows, outputs, strict=True):

@@ -49,6 +49,9 @@ def build(family: str, seed: int = 0, dtype=torch.float32):
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.02)
+        bias = getattr(model, "final_logits_bias", None)  # a buffer (BART family), zeros as built
+        if bias is not None:
+            bias.add_(torch.randn_like(bias) * 0.02)
     return model
 
 

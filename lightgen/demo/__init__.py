@@ -56,6 +56,7 @@ def generate_ids(model, tokenizer, sentences: list[str], batch_size: int = 32, *
     import torch
 
     order = sorted(range(len(sentences)), key=lambda i: -len(sentences[i]))
+    special = set(tokenizer.all_special_ids)  # a property that rebuilds its list on every access
     out = [None] * len(sentences)
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
@@ -63,7 +64,7 @@ def generate_ids(model, tokenizer, sentences: list[str], batch_size: int = 32, *
         with torch.no_grad():
             ids = model.generate(**enc, do_sample=False, max_length=128, **generate_kwargs)
         for i, row in zip(chunk, ids.tolist(), strict=True):
-            out[i] = [token for token in row if token not in tokenizer.all_special_ids]
+            out[i] = [token for token in row if token not in special]
     return out
 
 

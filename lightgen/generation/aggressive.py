@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
+from lightgen import ops
 from lightgen.drafting import pad_rows
 
 SUFFIX_LENGTHS = (1, 2, 3)
@@ -155,7 +156,7 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
     while True:
         width = logits.shape[1] - 1
         draft_tensor = pad_rows(drafts, -1, logits.device)  # [rows, width]
-        best = logits.argmax(-1)  # [rows, 1 + K]
+        best = ops.greedy_tokens(logits)  # [rows, 1 + K]
         passed = acceptance.accepted(logits, best, draft_tensor).cumprod(-1).sum(-1).tolist()
         predictions = best.tolist()
         rejected, finished = [], []

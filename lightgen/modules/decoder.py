@@ -17,6 +17,7 @@ from torch import nn
 from lightgen import ops
 from lightgen.modules.block import BlockSpec, feed_forward, run_block
 from lightgen.modules.kv_cache import POOL, StaticKVCache
+from lightgen.modules.linear import kernel_weights
 from lightgen.modules.norm import apply_norm
 
 
@@ -198,10 +199,18 @@ class Decoder:
         last = hidden if all_positions else hidden[:, -1]
         if spec.final_norm is not None:
             last = apply_norm(spec.final_norm, last)
-        logits = spec.lm_head(last)
-        if spec.logits_bias is not None:
-            logits = logits + spec.logits_bias
-        return logits.float()
+        return self._vocabulary_logits(last).float()
+
+    def _vocabulary_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head plus the model's extra logits bias (BART's final_logits_bias), the bias fused into the
+        matmul where the kernel runs the head: added afterwards, it cost a pass that reads every logit back
+        from the core that wrote it (a BART batch-8 step: ~0.4 ms of 11)."""
+        head, bias = self.spec.lm_head, self.spec.logits_bias
+        weights = kernel_weights(head, hidden) if bias is not None and getattr(head, "bias", None) is None else None
+        if weights is not None and bias.dtype == torch.float32:
+            return weights.run(hidden, bias.reshape(-1))
+        logits = head(hidden)
+        return logits if bias is None else logits + bias
 
     def _self_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor, rotary):
         rows, length, _ = h.shape

@@ -446,3 +446,41 @@ def test_generate_inside_and_outside_inference_mode_share_buffers():
     with torch.inference_mode():
         assert torch.equal(accelerated.generate(**kwargs), expected)
     assert torch.equal(accelerated.generate(**kwargs), expected)
+
+
+@pytest.mark.parametrize("family", ["bart", "gpt2"])
+def test_min_length_blocking_in_place_keeps_raw_logits_and_scores(family):
+    """EOS is blocked in place on the engine's own logits; output_logits still gets them unprocessed."""
+    accelerated, reference = _pair(family, 6)
+    ids, mask = padded_batch(family, 3, 6, seed=6)
+    eos = _eos_from_greedy(reference, ids, mask, new_tokens=1)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=4, min_length=3,
+                  eos_token_id=eos, pad_token_id=1, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True)
+    got, expected = accelerated.generate(**kwargs), reference.generate(**kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert torch.isinf(got.scores[0][:, eos]).all() and not torch.isinf(got.logits[0][:, eos]).any()
+    for mine, theirs in zip(got.scores + got.logits, expected.scores + expected.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_min_length_blocking_copies_after_a_processor_of_unknown_origin():
+    from transformers import LogitsProcessor, LogitsProcessorList, MinNewTokensLengthLogitsProcessor
+
+    from lightgen.generation.engine import _without_vocabulary_scans
+
+    class Cached(LogitsProcessor):  # returns a tensor it keeps: writing into it would corrupt its state
+        def __init__(self):
+            self.kept = torch.zeros(2, 10)
+
+        def __call__(self, input_ids, scores):
+            return self.kept
+
+    eos = torch.tensor([3])
+    blocked = MinNewTokensLengthLogitsProcessor(2, 5, eos)
+    ours_first = _without_vocabulary_scans(LogitsProcessorList([blocked, Cached()]))
+    assert ours_first[0].in_place
+    cached = Cached()
+    after_user = _without_vocabulary_scans(LogitsProcessorList([cached, blocked]))
+    out = after_user(torch.zeros(2, 3, dtype=torch.long), torch.randn(2, 10))
+    assert not after_user[1].in_place and torch.isinf(out[:, 3]).all() and not cached.kept.isinf().any()

@@ -125,3 +125,27 @@ def test_opcheck(with_beam_scores, log_softmax):
     scores = _scores(6, 50, "lm", gen)
     beam_scores = _beam_scores(6, gen) if with_beam_scores else None
     torch.library.opcheck(torch.ops.lightgen.beam_topk.default, (scores, beam_scores, 3, 4, log_softmax))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (8, 32000), (2, 9, 3000), (4, 1, 50)])
+@pytest.mark.parametrize("kind", ["logits", "ties", "masked"])
+def test_greedy_tokens_is_argmax(shape, kind):
+    gen = torch.Generator().manual_seed(len(shape) * shape[-1])
+    rows = int(torch.tensor(shape[:-1]).prod())
+    scores = _scores(rows, shape[-1], kind, gen).view(shape)
+    assert torch.equal(ops.greedy_tokens(scores), scores.argmax(-1))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), INF])
+def test_greedy_tokens_takes_torch_argmax_where_the_kernel_refuses(bad):
+    scores = torch.randn(3, 40)
+    scores[1, 7] = bad
+    scores[2, 3] = bad
+    assert torch.equal(ops.greedy_tokens(scores), scores.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_greedy_tokens_of_other_dtypes_and_empty_batches(dtype):
+    scores = torch.randn(4, 100).to(dtype)
+    assert torch.equal(ops.greedy_tokens(scores), scores.argmax(-1))
+    assert ops.greedy_tokens(torch.empty(0, 100)).shape == (0,)
