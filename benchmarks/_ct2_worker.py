@@ -4,12 +4,15 @@ CTranslate2's wheel bundles libgomp, but in a process that loaded torch first it
 to torch's libgomp: CTranslate2's worker thread then adds a second thread team to torch's runtime,
 which switches libgomp to its throttled spin for more threads than CPUs, and every torch parallel
 region after that waits on a futex wake-up (measured on 2 cores: lightgen's BART batch-1 step went
-from 5.4-7.5 ms to 10-12 ms after CTranslate2's first call, and stayed there). Users run
-CTranslate2 in its own process, so the benchmark does too. This script never imports torch.
+from 5.4-7.5 ms to 10-12 ms after CTranslate2's first call, and stayed there). The same happens
+between two CTranslate2 models in one process, each with its own team: a BART batch-1 step took
+12.7 ms with the int8 model loaded beside the float32 one, 7.4 ms alone. Users run a model in a
+process of its own, so the benchmark runs each CTranslate2 model in one. This script never imports
+torch.
 
 Protocol: pickled requests on stdin, pickled replies on stdout, one per request:
-("load", name, model_dir, compute_type, threads, encoder_decoder) -> None;
-("generate", name, token_rows, options, measure_rss) -> (new token ids, peak RSS growth in MB or None);
+("load", model_dir, compute_type, threads, encoder_decoder) -> None;
+("generate", token_rows, options, measure_rss) -> (new token ids, peak RSS growth in MB or None);
 ("stop",) ends the process. A failing request replies with ("error", message).
 """
 
@@ -44,22 +47,22 @@ def generate(runner, encoder_decoder: bool, token_rows: list, options: dict, mea
 
 
 def serve(requests, replies) -> None:
-    runners = {}
+    loaded = None  # (runner, encoder_decoder)
     while True:
         request = pickle.load(requests)
         if request[0] == "stop":
             return
         try:
             if request[0] == "load":
-                name, model_dir, compute_type, threads, encoder_decoder = request[1:]
+                model_dir, compute_type, threads, encoder_decoder = request[1:]
                 runner = ctranslate2.Translator if encoder_decoder else ctranslate2.Generator
-                runners[name] = (runner(model_dir, device="cpu", compute_type=compute_type, intra_threads=threads,
-                                        inter_threads=1), encoder_decoder)
+                loaded = (runner(model_dir, device="cpu", compute_type=compute_type, intra_threads=threads,
+                                 inter_threads=1), encoder_decoder)
                 reply = None
             else:
-                name, token_rows, options, measure_rss = request[1:]
+                token_rows, options, measure_rss = request[1:]
                 ctranslate2.set_random_seed(options.pop("seed"))
-                reply = generate(*runners[name], token_rows, options, measure_rss)
+                reply = generate(*loaded, token_rows, options, measure_rss)
         except Exception as error:  # the parent reports it; the worker keeps serving
             reply = ("error", f"{type(error).__name__}: {error}")
         pickle.dump(reply, replies)

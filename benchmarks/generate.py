@@ -7,7 +7,7 @@ fixed number of new tokens with greedy search, beam search and top-k sampling at
 sizes. Providers: ``hf``, the unpatched model's ``generate``; ``lightgen``, a deep copy of the same
 model after ``lightgen.accelerate_model``; ``lightgen-int8``, the same with ``quantize="int8"``;
 and ``ctranslate2`` / ``ctranslate2-int8``, the same weights converted (compute_type float32 /
-int8), when the package is installed, run in a process of their own. Each provider's first call is
+int8), when the package is installed, each run in a process of its own. Each provider's first call is
 checked (lightgen must return HF's greedy and beam tokens exactly; the int8 providers report their
 token agreement with HF's fp32 output) and measured for peak memory before the interleaved timing. The run also
 measures the machine's memory bandwidth and, for batch-1 greedy decoding, how close each provider
@@ -198,7 +198,7 @@ def save_for_ctranslate2(model: transformers.PreTrainedModel, spec: ModelSpec, d
 
 
 class CTranslate2Worker:
-    """A process of its own that runs CTranslate2 models (why: benchmarks/_ct2_worker.py)."""
+    """A process of its own that runs one CTranslate2 model (why: benchmarks/_ct2_worker.py)."""
 
     def __init__(self):
         self.process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_ct2_worker.py"))],
@@ -228,18 +228,25 @@ class CTranslate2Worker:
 
 class CTranslate2Generate:
     """The same weights converted to CTranslate2 (a Translator for encoder-decoders, a Generator
-    otherwise), run by ``worker``; a call's time includes one small request and reply through a pipe."""
+    otherwise), run by a worker process of its own; a call's time includes one small request and
+    reply through a pipe. ``stop`` ends the worker."""
 
-    def __init__(self, worker: CTranslate2Worker, model: transformers.PreTrainedModel, spec: ModelSpec,
-                 workdir: Path, compute_type: str):
+    def __init__(self, model: transformers.PreTrainedModel, spec: ModelSpec, workdir: Path, compute_type: str):
         self.name = CT2 if compute_type == "float32" else CT2_INT8
-        self.worker = worker
         hf_dir, ct2_dir = workdir / "hf", workdir / "ct2"
         if not ct2_dir.exists():  # one conversion serves both compute types
             save_for_ctranslate2(model, spec, hf_dir)
             ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(ct2_dir))
         self.encoder_decoder = model.config.is_encoder_decoder
-        worker.request("load", self.name, str(ct2_dir), compute_type, torch.get_num_threads(), self.encoder_decoder)
+        self.worker = CTranslate2Worker()
+        try:
+            self.worker.request("load", str(ct2_dir), compute_type, torch.get_num_threads(), self.encoder_decoder)
+        except RuntimeError:
+            self.worker.stop()
+            raise
+
+    def stop(self) -> None:
+        self.worker.stop()
 
     def prepare(self, prompts: torch.Tensor, decoding: Decoding, new_tokens: int) -> Callable[..., torch.Tensor]:
         # Tokens are strings in CTranslate2's API; converting outside the timing matches HF getting ids.
@@ -252,7 +259,7 @@ class CTranslate2Generate:
             options.update(max_length=new_tokens, min_length=new_tokens, include_prompt_in_result=False)
 
         def generate(measure_rss: bool = False):
-            new_ids, rss_growth = self.worker.request("generate", self.name, tokens, dict(options), measure_rss)
+            new_ids, rss_growth = self.worker.request("generate", tokens, dict(options), measure_rss)
             return (torch.tensor(new_ids), rss_growth) if measure_rss else torch.tensor(new_ids)
 
         return generate
@@ -269,16 +276,20 @@ class CTranslate2Generate:
 CT2_CONVERTED = "converted"
 
 
-def ctranslate2_providers(worker: CTranslate2Worker | None, model: transformers.PreTrainedModel, spec: ModelSpec,
+def ctranslate2_providers(model: transformers.PreTrainedModel, spec: ModelSpec,
                           workdir: Path) -> tuple[list[CTranslate2Generate], str]:
-    """The CTranslate2 providers (float32, int8) and CT2_CONVERTED, or none and why."""
-    if worker is None:
+    """The CTranslate2 providers (float32, int8; the caller stops them) and CT2_CONVERTED, or none and why."""
+    if ctranslate2 is None:
         return [], "not installed"
+    providers = []
     try:
-        return ([CTranslate2Generate(worker, model, spec, workdir, compute) for compute in ("float32", "int8")],
-                CT2_CONVERTED)
+        for compute_type in ("float32", "int8"):
+            providers.append(CTranslate2Generate(model, spec, workdir, compute_type))
     except Exception as error:  # a converter out of step with transformers should cost only this column
+        for provider in providers:
+            provider.stop()
         return [], f"conversion failed: {type(error).__name__}: {error}"
+    return providers, CT2_CONVERTED
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,16 +429,18 @@ def skip_reason(settings: Settings, batch: int, decoding: Decoding, deadline: fl
     return None
 
 
-def benchmark_model(spec: ModelSpec, settings: Settings, bandwidth_gb_s: float, deadline: float,
-                    ct2_worker: CTranslate2Worker | None) -> tuple[ModelReport, list[CaseResult]]:
+def benchmark_model(spec: ModelSpec, settings: Settings, bandwidth_gb_s: float,
+                    deadline: float) -> tuple[ModelReport, list[CaseResult]]:
     label = spec.label(settings)
     model = build_model(spec, settings)
     accelerated = lightgen.accelerate_model(copy.deepcopy(model))
     quantized = lightgen.accelerate_model(copy.deepcopy(model), quantize="int8")
     weight_bytes = decoder_bytes_per_step(spec, model)
     results, skipped = [], []
-    with tempfile.TemporaryDirectory() as workdir:
-        ct2, ct2_state = ctranslate2_providers(ct2_worker, model, spec, Path(workdir))
+    with tempfile.TemporaryDirectory() as workdir, contextlib.ExitStack() as workers:
+        ct2, ct2_state = ctranslate2_providers(model, spec, Path(workdir))
+        for provider in ct2:
+            workers.callback(provider.stop)  # waited for, so their CPU time counts as ours in the contention share
         if ctranslate2 is not None:
             print(f"{label}: ctranslate2 {ct2_state}", file=sys.stderr)
         providers = [HFGenerate(HF, model), HFGenerate(LIGHTGEN, accelerated), HFGenerate(LIGHTGEN_INT8, quantized),
@@ -520,8 +533,8 @@ def markdown(env: dict, settings: Settings, bandwidth: dict[str, float], models:
     else:
         failures = [f"{m.label}: {m.ctranslate2}" for m in models if m.ctranslate2 != CT2_CONVERTED]
         ct2_line = (f"ctranslate2 {ctranslate2.__version__} = the same weights converted, float32 and int8, "
-                    f"intra_threads={threads}, run in a process of its own (in one process with torch, its OpenMP "
-                    "calls join torch's runtime and slow every torch op afterwards: benchmarks/_ct2_worker.py)"
+                    f"intra_threads={threads}, each model in a worker process of its own (sharing a process, OpenMP "
+                    "thread teams slow each other down: benchmarks/_ct2_worker.py)"
                     + (f" (skipped for {'; '.join(failures)})" if failures else ""))
     lines = [
         "## lightgen generate() benchmarks",
@@ -601,15 +614,10 @@ def main(argv: list[str] | None = None) -> None:
     print("measuring memory bandwidth...", file=sys.stderr)
     bandwidth = memory_bandwidth()
     models, results = [], []
-    ct2_worker = CTranslate2Worker() if ctranslate2 else None
-    try:
-        for spec in MODELS:
-            report, model_results = benchmark_model(spec, settings, max(bandwidth.values()), deadline, ct2_worker)
-            models.append(report)
-            results += model_results
-    finally:
-        if ct2_worker:
-            ct2_worker.stop()  # waited for, so its CPU time counts as ours in the contention share
+    for spec in MODELS:
+        report, model_results = benchmark_model(spec, settings, max(bandwidth.values()), deadline)
+        models.append(report)
+        results += model_results
     contention.record(env)
 
     print(markdown(env, settings, bandwidth, models, results))
