@@ -33,7 +33,9 @@ def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
         return scores.argmax(-1)
     try:
         _, tokens, _ = beam_topk(scores.reshape(-1, scores.shape[-1]), None, 1, 1, False)
-    except RuntimeError:
+    except RuntimeError as error:
+        if "NaN or +inf" not in str(error):
+            raise
         return scores.argmax(-1)
     return tokens.view(scores.shape[:-1])
 
