@@ -22,6 +22,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEnc
 
 from lightgen import ops
 from lightgen.drafting import pad_rows
+from lightgen.modules.decoder import Decoder
 
 SUFFIX_LENGTHS = (1, 2, 3)
 
@@ -100,10 +101,14 @@ class Acceptance:
         if self.beta < 1 or self.tau < 0:
             raise ValueError(f"aggressive decoding needs beta >= 1 and tau >= 0, got beta={self.beta}, tau={self.tau}")
 
-    def accepted(self, logits: torch.Tensor, predictions: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        """logits [N, 1 + K, V], their argmax ``predictions`` [N, 1 + K], drafts [N, K] (-1 after a row's
-        draft) -> [N, K] bool: slot k passes."""
-        if self.beta == 1:
+    @property
+    def reads_logits(self) -> bool:
+        return self.beta > 1
+
+    def accepted(self, logits: torch.Tensor | None, predictions: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """logits [N, 1 + K, V] (None when not ``reads_logits``), their argmax ``predictions`` [N, 1 + K],
+        drafts [N, K] (-1 after a row's draft) -> [N, K] bool: slot k passes."""
+        if not self.reads_logits:
             return predictions[:, :-1] == drafts
         log_probs = logits[:, :-1].log_softmax(-1)
         best, candidates = log_probs.topk(self.beta, dim=-1)
@@ -149,14 +154,14 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
     gained = [[] for _ in range(rows)]
     if prompt_len == 1:  # a lone start token (encoder-decoder): the first pass already verifies a draft
         drafts = _draft(drafter, live, outputs, max_length, max_draft)
-        logits = _verify(decoder, state, outputs, live, drafts, pad_token_id, input_ids.dtype)
+        logits, best = _verify(decoder, state, outputs, live, drafts, pad_token_id, input_ids.dtype, acceptance)
     else:
         logits = decoder.step(state, input_ids, prompt_positions)[:, None]  # the prompt pass: [rows, 1, V]
+        best = ops.greedy_tokens(logits)
         drafts = [[] for _ in live]
     while True:
-        width = logits.shape[1] - 1
-        draft_tensor = pad_rows(drafts, -1, logits.device)  # [rows, width]
-        best = ops.greedy_tokens(logits)  # [rows, 1 + K]
+        width = best.shape[1] - 1
+        draft_tensor = pad_rows(drafts, -1, device)  # [rows, width]
         passed = acceptance.accepted(logits, best, draft_tensor).cumprod(-1).sum(-1).tolist()
         predictions = best.tolist()
         rejected, finished = [], []
@@ -182,7 +187,7 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
             state.keep_rows(torch.tensor(keep, device=device))
             live = [live[slot] for slot in keep]
         drafts = _draft(drafter, live, outputs, max_length, max_draft)
-        logits = _verify(decoder, state, outputs, live, drafts, pad_token_id, input_ids.dtype)
+        logits, best = _verify(decoder, state, outputs, live, drafts, pad_token_id, input_ids.dtype, acceptance)
     return pad_rows(outputs, pad_token_id, device).to(input_ids.dtype), gained
 
 
@@ -197,8 +202,11 @@ def _draft(drafter, live, outputs, max_length, max_draft) -> list[list[int]]:
     return [list(map(int, draft))[:size] for draft, size in zip(drafts, sizes, strict=True)]
 
 
-def _verify(decoder, state, outputs, live, drafts, pad_token_id, dtype) -> torch.Tensor:
-    """One decoder pass over ``[last token, draft]`` per row: logits [rows, 1 + K, V]."""
+def _verify(decoder, state, outputs, live, drafts, pad_token_id, dtype,
+            acceptance: Acceptance) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One decoder pass over ``[last token, draft]`` per row: the logits [rows, 1 + K, V] when the
+    acceptance rule reads them (None otherwise) and their argmax [rows, 1 + K] (-1 at the padding after
+    short drafts, which greedy acceptance never reads, so lightgen's decoder skips their LM head)."""
     device = state.next_position.device
     tokens = pad_rows([[outputs[row][-1], *draft] for row, draft in zip(live, drafts, strict=True)], pad_token_id,
                       device).to(dtype)
@@ -206,4 +214,11 @@ def _verify(decoder, state, outputs, live, drafts, pad_token_id, dtype) -> torch
     # Padding after short drafts is computed and rolled back; clamp its positions into the table.
     positions = (state.next_position[:, None] + torch.arange(1 + width, device=device)).clamp(
         max=decoder.spec.position_limit - 1)
-    return decoder.step(state, tokens, positions, all_positions=True)
+    if acceptance.reads_logits or not isinstance(decoder, Decoder):  # fairseq's scorer post-processes every position
+        logits = decoder.step(state, tokens, positions, all_positions=True)
+        return logits, ops.greedy_tokens(logits)
+    draft_lengths = torch.tensor([len(draft) for draft in drafts], device=device)
+    real = torch.arange(1 + width, device=device) <= draft_lengths[:, None]
+    best = torch.full(tokens.shape, -1, dtype=torch.long, device=device)
+    best[real] = ops.greedy_tokens(decoder.step(state, tokens, positions, scored=real))
+    return None, best

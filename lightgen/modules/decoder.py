@@ -164,9 +164,11 @@ class Decoder:
         return DecodeState(cache, key_keep, next_position, cross_keys, cross_values, encoder_keep, expand)
 
     def step(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-             all_positions: bool = False) -> torch.Tensor:
-        """Feed ``tokens`` [N, T]; returns float32 logits of the last position [N, V], or of every
-        position [N, T, V] with ``all_positions`` (to verify a draft in one pass).
+             all_positions: bool = False, scored: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed ``tokens`` [N, T]; returns float32 logits of the last position [N, V], of every
+        position [N, T, V] with ``all_positions`` (to verify a draft in one pass), or of the positions
+        ``scored`` [N, T] (bool) marks, [M, V] in row-major order (verification skips the padding after
+        short drafts: the LM head is most of a pass's compute).
 
         ``positions`` [N, T] gives position ids (HF's, for padded prompts); by default each row
         continues from its last position.
@@ -196,7 +198,7 @@ class Decoder:
         cache.length += length
         state.lengths += length
         state.next_position.copy_(positions[:, -1] + 1)
-        last = hidden if all_positions else hidden[:, -1]
+        last = hidden[scored] if scored is not None else hidden if all_positions else hidden[:, -1]
         if spec.final_norm is not None:
             last = apply_norm(spec.final_norm, last)
         return self._vocabulary_logits(last).float()

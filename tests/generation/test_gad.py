@@ -358,3 +358,23 @@ def test_assistant_model_argument_runs_batched_gad(family, step_counter):
     single = {key: value[:1] for key, value in kwargs.items() if key in ("input_ids", "attention_mask")}
     hf_assisted = reference.generate(**kwargs | single, assistant_model=hf_assistant)
     assert torch.equal(accelerated.generate(**kwargs | single, assistant_model=assistant), hf_assisted)
+
+
+@pytest.mark.parametrize("family", ["bart", "gpt2"])
+def test_scored_positions_get_the_logits_every_position_gets(family):
+    """Verification scores only the real positions of padded drafts: the same logits, bit for bit."""
+    model = lightgen.accelerate_model(build(family, seed=3))
+    decoder = model._lightgen_decoder
+    tokens = torch.randint(3, VOCAB, (3, 5), generator=torch.Generator().manual_seed(3))
+    scored = torch.tensor([[True] * 5, [True, True, False, False, False], [True, False, False, False, False]])
+    start = dict(rows=3, max_len=12, dtype=torch.float32, device="cpu")
+    if family == "bart":
+        start.update(encoder_hidden=torch.randn(3, 4, model.config.d_model), encoder_mask=torch.ones(3, 4))
+    logits = {}
+    with torch.no_grad():
+        for name, kwargs in (("all", dict(all_positions=True)), ("scored", dict(scored=scored))):
+            state = decoder.start(**start)
+            logits[name] = decoder.step(state, tokens, **kwargs)
+            state.release()
+    assert logits["scored"].shape == (int(scored.sum()), logits["all"].shape[-1])
+    assert torch.equal(logits["scored"], logits["all"][scored])
