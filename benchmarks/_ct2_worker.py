@@ -5,11 +5,10 @@ to torch's libgomp: CTranslate2's worker thread then adds a second thread team t
 which by all signs switches libgomp to its throttled spin for more threads than CPUs: torch's worker
 thread then sleeps between parallel regions, and each one waits on a wake-up (measured on 2 cores:
 lightgen's BART batch-1 step went from 5.4-7.5 ms to 10-12 ms after CTranslate2's first call, and
-stayed there). The same happens
-between two CTranslate2 models in one process, each with its own team: a BART batch-1 step took
-12.7 ms with the int8 model loaded beside the float32 one, 7.4 ms alone. Users run a model in a
-process of its own, so the benchmark runs each CTranslate2 model in one. This script never imports
-torch.
+stayed there). The same happens between two CTranslate2 models in one process, each with its own
+team: a BART batch-1 step took 12.7 ms with the int8 model loaded beside the float32 one, 7.4 ms
+alone. Users run a model in a process of its own, so the benchmark runs each CTranslate2 model in
+one. This script never imports torch.
 
 Protocol: pickled requests on stdin, pickled replies on stdout, one per request:
 ("load", model_dir, compute_type, threads, encoder_decoder) -> None;
