@@ -168,7 +168,7 @@ class Decoder:
         """Feed ``tokens`` [N, T]; returns float32 logits of the last position [N, V], of every
         position [N, T, V] with ``all_positions`` (to verify a draft in one pass), or of the positions
         ``scored`` [N, T] (bool) marks, [M, V] in row-major order (verification skips the padding after
-        short drafts: the LM head is most of a pass's compute).
+        short drafts: the LM head is the largest matmul of a pass, a third of it on the demo model).
 
         ``positions`` [N, T] gives position ids (HF's, for padded prompts); by default each row
         continues from its last position.
