@@ -93,20 +93,16 @@ class StaticKVCache:
 
         For callers that learn the output length only while decoding (fairseq's incremental decoder).
         """
-        old_keys, old_values, old = self.keys, self.values, (self._blocks, self._spare_buffers)
+        old_keys, old_values, old_buffers = self.keys, self.values, [*self._blocks, *self._spare_buffers]
         rows, heads, _, head_dim = old_keys[0].shape
         self._take((len(old_keys), rows, heads, max_len, head_dim), old_keys[0].dtype, old_keys[0].device)
         filled = (slice(0, self.rows), slice(None), slice(0, self.length))
         for new_layers, old_layers in ((self.keys, old_keys), (self.values, old_values)):
             for new, previous in zip(new_layers, old_layers, strict=True):
                 new[filled] = previous[filled]
-        self._give_back(*old)
+        POOL.give_back(*old_buffers)
         self.max_len = max_len
 
     def release(self) -> None:
-        self._give_back(self._blocks, self._spare_buffers)
+        POOL.give_back(*self._blocks, *self._spare_buffers)
         self._spare_buffers, self._spares = [], None
-
-    @staticmethod
-    def _give_back(blocks, spare_buffers) -> None:
-        POOL.give_back(*blocks, *spare_buffers)
