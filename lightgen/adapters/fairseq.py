@@ -32,6 +32,7 @@ from torch import nn
 
 from lightgen._compat import check_fairseq_version
 from lightgen.adapters.base import UnsupportedModelError
+from lightgen.memory import cached_cpu_memory
 from lightgen.generation.aggressive import GREEDY, Acceptance, CopyFromInput, aggressive_greedy
 from lightgen.modules.block import BlockSpec
 from lightgen.modules.decoder import AttentionWeights, DecodeState, Decoder, DecoderLayerWeights, DecoderSpec
@@ -449,6 +450,7 @@ class AggressiveGenerator:
         self._warned = False
 
     @torch.no_grad()
+    @cached_cpu_memory()
     def generate(self, models, sample, prefix_tokens=None, constraints=None, bos_token=None):
         """``SequenceGenerator.generate``: per sentence, a list with its one hypothesis."""
         if prefix_tokens is not None or constraints is not None:

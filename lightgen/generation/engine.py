@@ -39,6 +39,7 @@ from transformers.generation.utils import (
 )
 
 from lightgen import _build, ops
+from lightgen.memory import cached_cpu_memory
 from lightgen.drafting import start_session
 from lightgen.generation.aggressive import (
     Acceptance,
@@ -128,7 +129,8 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     decode = functools.partial(lightgen_decode, aggressive=aggressive)
     _deferred.pending = True
     try:
-        return original(model, inputs, generation_config, custom_generate=decode, **kwargs)
+        with cached_cpu_memory():
+            return original(model, inputs, generation_config, custom_generate=decode, **kwargs)
     finally:
         _deferred.pending = False
         _deferred.call = None
