@@ -32,8 +32,8 @@ from torch import nn
 
 from lightgen._compat import check_fairseq_version
 from lightgen.adapters.base import UnsupportedModelError
-from lightgen.memory import cached_cpu_memory
 from lightgen.generation.aggressive import GREEDY, Acceptance, CopyFromInput, aggressive_greedy
+from lightgen.memory import cached_cpu_memory
 from lightgen.modules.block import BlockSpec
 from lightgen.modules.decoder import AttentionWeights, DecodeState, Decoder, DecoderLayerWeights, DecoderSpec
 
