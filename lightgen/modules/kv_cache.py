@@ -1,7 +1,8 @@
 """Preallocated, reused generation memory.
 
 Buffers are checked out of a pool keyed by (shape, dtype, device) and returned when a request
-ends, so steady-state generation allocates nothing per step and memory stays flat across requests.
+ends, so memory stays flat across requests; the step's short-lived tensors reuse blocks of
+``lightgen.memory``'s caching allocator, so steady-state generation takes no memory per step.
 A buffer is handed to one request at a time, so concurrent ``generate`` calls never share one.
 """
 
