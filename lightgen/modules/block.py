@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightgen import ops
-from lightgen.modules.linear import kernel_weights
+from lightgen.modules.linear import apply_linear, kernel_weights
 from lightgen.modules.norm import apply_add_norm, apply_norm
 
 # HF activation names (config strings) -> lightgen activation; others keep the HF FFN path.
@@ -67,19 +67,19 @@ def feed_forward(ffn_owner: nn.Module, spec: BlockSpec, x: torch.Tensor) -> torc
     if spec.gated:
         gate, up = (getattr(ffn_owner, name) for name in spec.ffn_in)
         if spec.act is None:
-            hidden = getattr(ffn_owner, spec.act_module)(gate(x)) * up(x)
+            hidden = getattr(ffn_owner, spec.act_module)(apply_linear(gate, x)) * apply_linear(up, x)
         else:
-            hidden = ops.gated_act(gate(x), up(x), spec.act)
+            hidden = ops.gated_act(apply_linear(gate, x), apply_linear(up, x), spec.act)
     else:
         fc_in = getattr(ffn_owner, spec.ffn_in[0])
         weights = kernel_weights(fc_in, x) if spec.act is not None else None
         if weights is not None:
             hidden = weights.run(x, fc_in.bias, spec.act)
         elif _use_hf_activation(spec, x):
-            hidden = getattr(ffn_owner, spec.act_module)(fc_in(x))
+            hidden = getattr(ffn_owner, spec.act_module)(apply_linear(fc_in, x))
         else:
             hidden = ops.bias_act(_matmul_no_bias(fc_in, x), fc_in.bias, spec.act)
-    return getattr(ffn_owner, spec.ffn_out)(hidden)
+    return apply_linear(getattr(ffn_owner, spec.ffn_out), hidden)
 
 
 Sublayer = Callable[[torch.Tensor], torch.Tensor]

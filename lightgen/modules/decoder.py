@@ -17,7 +17,7 @@ from torch import nn
 from lightgen import ops
 from lightgen.modules.block import BlockSpec, feed_forward, run_block
 from lightgen.modules.kv_cache import POOL, StaticKVCache
-from lightgen.modules.linear import kernel_weights
+from lightgen.modules.linear import apply_linear, kernel_weights
 from lightgen.modules.norm import apply_norm
 
 
@@ -35,9 +35,9 @@ class AttentionWeights:
     def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[N, T, E] -> q [N, H, T, D], k and v [N, Hkv, T, D] (views)."""
         if self.k is None:
-            q, k, v = self.q(h).split(self.heads * self.head_dim, dim=-1)
+            q, k, v = apply_linear(self.q, h).split(self.heads * self.head_dim, dim=-1)
         else:
-            q, k, v = self.q(h), self.k(h), self.v(h)
+            q, k, v = apply_linear(self.q, h), apply_linear(self.k, h), apply_linear(self.v, h)
         return _split_heads(q, self.heads), _split_heads(k, self.kv_heads), _split_heads(v, self.kv_heads)
 
 
@@ -159,8 +159,8 @@ class Decoder:
         cross_keys, cross_values = [], []
         for layer in self.spec.layers:
             attn = layer.cross_attn
-            cross_keys.append(_split_heads(attn.k(sentences), attn.kv_heads).contiguous())
-            cross_values.append(_split_heads(attn.v(sentences), attn.kv_heads).contiguous())
+            cross_keys.append(_split_heads(apply_linear(attn.k, sentences), attn.kv_heads).contiguous())
+            cross_values.append(_split_heads(apply_linear(attn.v, sentences), attn.kv_heads).contiguous())
         return DecodeState(cache, key_keep, next_position, cross_keys, cross_values, encoder_keep, expand)
 
     def step(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor | None = None,
@@ -222,13 +222,13 @@ class Decoder:
             query, key = self.spec.apply_rotary(query, key, *rotary)
         keys, values = state.cache.layer(index)
         out = ops.attention(query, keys, values, key, value, state.lengths, state.key_keep, attn.scaling, True)
-        return attn.out(out.view(rows, length, -1))
+        return apply_linear(attn.out, out.view(rows, length, -1))
 
     def _cross_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor):
         rows, length, width = h.shape
         sentences, expand = rows // state.expand, state.expand
         # Each sentence's rows (beams) become extra queries over that sentence's encoder K/V.
-        query = attn.q(h).view(sentences, expand * length, attn.heads, -1).transpose(1, 2)
+        query = apply_linear(attn.q, h).view(sentences, expand * length, attn.heads, -1).transpose(1, 2)
         out = ops.attention(query, state.cross_keys[index], state.cross_values[index], None, None, None,
                             state.encoder_keep, attn.scaling, False)
-        return attn.out(out.view(rows, length, width))
+        return apply_linear(attn.out, out.view(rows, length, width))

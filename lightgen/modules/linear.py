@@ -109,6 +109,14 @@ def linear_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module._lightgen_original(x)
 
 
+def apply_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` from lightgen's own fast paths (inference only): a patched layer's kernel is called
+    directly, without nn.Module's call and the patched forward's checks (~5 us a layer, measured: a tenth
+    of the demo model's decode step)."""
+    weights = kernel_weights(module, x)
+    return weights.run(x, module.bias) if weights is not None else module(x)
+
+
 def kernel_weights(module: nn.Module, x: torch.Tensor) -> LinearWeights | None:
     """The weights to run ``module`` on ``x`` with the kernel (which can fuse an activation), or None."""
     weights = current_weights(module)
