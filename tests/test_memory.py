@@ -131,3 +131,37 @@ def test_a_bad_limit_is_a_clear_error(monkeypatch, value):
     with pytest.raises(ValueError, match="LIGHTGEN_CPU_CACHE_MB"):
         with memory.cached_cpu_memory():
             pass
+
+
+def test_memory_profiling_sees_the_cache():
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with memory.cached_cpu_memory():
+            block = torch.ones(50_000)
+            del block
+    # The allocation counts toward the op that made it, the free (outside any op) is an event of its own;
+    # both in the block's size class.
+    usage = [event.cpu_memory_usage for event in prof.events()]
+    assert max(usage) >= 200_000 and min(usage) == -max(usage)
+
+
+def test_a_forked_child_can_use_the_cache():
+    import multiprocessing
+
+    def child(queue):
+        with memory.cached_cpu_memory():
+            queue.put(float(torch.arange(1000.0).sum()))
+
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    with memory.cached_cpu_memory():
+        process = context.Process(target=child, args=(queue,))
+        process.start()
+    try:
+        assert queue.get(timeout=60) == 499500.0
+    finally:
+        process.join(timeout=60)
+        if process.is_alive():
+            process.kill()
+    assert process.exitcode == 0

@@ -8,6 +8,8 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/alignment.h>
 
+#include <pthread.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
@@ -72,7 +74,14 @@ class CachingCPUAllocator final : public c10::Allocator {
   }
 
   static CachingCPUAllocator& instance() {
-    static auto* allocator = new CachingCPUAllocator();  // never destroyed: tensors may outlive static teardown
+    static auto* allocator = [] {
+      auto* created = new CachingCPUAllocator();  // never destroyed: tensors may outlive static teardown
+      // A fork while another thread holds the lock would leave it locked forever in the child: hold it
+      // across fork() instead, as glibc's malloc does.
+      pthread_atfork([] { instance().mutex_.lock(); }, [] { instance().mutex_.unlock(); },
+                     [] { instance().mutex_.unlock(); });
+      return created;
+    }();
     return *allocator;
   }
 
