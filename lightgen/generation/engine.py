@@ -39,7 +39,6 @@ from transformers.generation.utils import (
 )
 
 from lightgen import _build, ops
-from lightgen.memory import cached_cpu_memory
 from lightgen.drafting import start_session
 from lightgen.generation.aggressive import (
     Acceptance,
@@ -50,6 +49,7 @@ from lightgen.generation.aggressive import (
     aggressive_greedy,
 )
 from lightgen.generation.diverse import group_beam_search
+from lightgen.memory import cached_cpu_memory
 
 DECODER_ATTR = "_lightgen_decoder"
 
