@@ -1,8 +1,5 @@
 """lightgen's caching CPU allocator: generate calls take no memory from the system in steady state."""
 
-import copy
-import threading
-
 import pytest
 import torch
 from models import build, padded_batch
@@ -18,14 +15,13 @@ DECODINGS = [FIXED_LENGTH, dict(FIXED_LENGTH, num_beams=3), dict(FIXED_LENGTH, d
 
 
 def _accelerated(family: str):
-    reference = build(family)
-    return lightgen.accelerate_model(copy.deepcopy(reference)), reference
+    return lightgen.accelerate_model(build(family))
 
 
 @pytest.mark.parametrize("family", ["bart", "gpt2"])
 @pytest.mark.parametrize("decoding", DECODINGS, ids=["greedy", "beam", "sample", "iad"])
 def test_steady_state_generate_takes_no_memory_from_the_system(family, decoding):
-    model, _ = _accelerated(family)
+    model = _accelerated(family)
     ids, mask = padded_batch(family, 3, 7)
     kwargs = dict(input_ids=ids, attention_mask=mask, pad_token_id=0, **decoding)
     # Warm-up: the first call takes the blocks; from the second, a call's result is alive while the next runs.
@@ -44,7 +40,7 @@ def test_steady_state_generate_takes_no_memory_from_the_system(family, decoding)
 
 
 def test_the_cache_serves_only_inside_generate():
-    model, _ = _accelerated("bart")
+    model = _accelerated("bart")
     ids, mask = padded_batch("bart", 2, 6)
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4)
     before = memory.cache_stats()
@@ -54,7 +50,7 @@ def test_the_cache_serves_only_inside_generate():
 
 
 def test_a_failed_generate_gives_torch_its_allocator_back():
-    model, _ = _accelerated("bart")
+    model = _accelerated("bart")
     with pytest.raises(ValueError):
         model.generate(input_ids=torch.tensor([[3, 4, 5]]), max_new_tokens=4, num_beams=2, num_return_sequences=3)
     before = memory.cache_stats()
@@ -73,28 +69,6 @@ def test_tensors_outlive_the_block_and_return_to_the_cache():
     after = memory.cache_stats()
     assert after.cached_bytes >= before.cached_bytes + 50_000 * 4 + 777 * 4
     assert after.live_bytes < before.live_bytes
-
-
-def test_concurrent_generate_calls_share_the_cache_safely():
-    model, reference = _accelerated("bart")
-    inputs = [padded_batch("bart", 2, 5 + i, seed=i) for i in range(4)]
-    expected = [reference.generate(input_ids=i, attention_mask=m, max_new_tokens=8) for i, m in inputs]
-    results = [None] * len(inputs)
-
-    def run(index):
-        ids, mask = inputs[index]
-        for _ in range(3):
-            results[index] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(inputs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
-    assert all(torch.equal(got, want) for got, want in zip(results, expected, strict=True))
-    before = memory.cache_stats()
-    torch.empty(4321)  # every call has left: torch's own allocator again
-    assert memory.cache_stats() == before
 
 
 def test_empty_cpu_cache_returns_the_free_blocks():

@@ -8,6 +8,7 @@ import torch
 from models import DECODER_ONLY, SEQ2SEQ, build, padded_batch
 
 import lightgen
+from lightgen import memory
 
 
 def _pair(family, seed):
@@ -208,6 +209,10 @@ def test_concurrent_generate_calls_each_get_their_own_result():
     for thread in threads:
         thread.join(timeout=300)
     assert all(torch.equal(got, want) for got, want in zip(results, expected, strict=True))
+    # The calls shared lightgen's CPU cache; once all have left, torch's own allocator serves again.
+    before = memory.cache_stats()
+    torch.empty(4321)
+    assert memory.cache_stats() == before
 
 
 def test_restore_removes_the_engine():
