@@ -4,7 +4,9 @@
 
 Two random-weight models (a BART-size encoder-decoder and a GPT-2-small-size decoder) generate a
 fixed number of new tokens with greedy search, beam search and top-k sampling at several batch
-sizes. Providers: ``hf``, the unpatched model's ``generate``; ``lightgen``, a deep copy of the same
+sizes. Providers: ``hf``, the unpatched model's ``generate``; ``hf-compile``, the same with HF's static
+cache and its automatic ``torch.compile`` of the decoding forward (greedy at batch 1 and 8 only: every
+shape compiles once); ``lightgen``, a deep copy of the same
 model after ``lightgen.accelerate_model``; ``lightgen-int8``, the same with ``quantize="int8"``;
 and ``ctranslate2`` / ``ctranslate2-int8``, the same weights converted (compute_type float32 /
 int8), when the package is installed, each run in a process of its own. Each provider's first call is
@@ -55,9 +57,9 @@ PROMPT_TOKENS = 32
 TOP_K = 50
 SEED = 0
 BANDWIDTH_TENSOR_BYTES = 256 << 20  # far beyond the last-level cache, so every byte comes from DRAM
-HF, LIGHTGEN, CT2 = "hf", "lightgen", "ctranslate2"
+HF, HF_COMPILE, LIGHTGEN, CT2 = "hf", "hf-compile", "lightgen", "ctranslate2"
 LIGHTGEN_INT8, CT2_INT8 = "lightgen-int8", "ctranslate2-int8"
-PROVIDERS = (HF, LIGHTGEN, LIGHTGEN_INT8, CT2, CT2_INT8)
+PROVIDERS = (HF, HF_COMPILE, LIGHTGEN, LIGHTGEN_INT8, CT2, CT2_INT8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,14 +70,17 @@ class Settings(Sampling):
     gpt2_layers: int
     max_rows: int  # cases with more rows (batch × beams) are skipped
     run_budget_s: float  # cases not started by then are skipped, so a slow or busy machine cannot stretch the run
+    compile_batches: tuple[int, ...]  # hf-compile compiles once per input shape (30-60 s here): greedy at these only
 
 
 # One generate() call lasts 0.1-20 s, so a sample is a single call, and the first (checking) call is the warm-up.
 # Full mode: batch 32 × beam 4 (128 rows) would cost 1-2 minutes per model on 2 cores, so it is left out.
 FULL = Settings(samples=5, min_sample_s=0.0, max_measure_s=8.0, min_samples=2, warmup_calls=0,
-                new_tokens=64, batch_sizes=(1, 8, 32), bart_layers=6, gpt2_layers=12, max_rows=32, run_budget_s=1200)
+                new_tokens=64, batch_sizes=(1, 8, 32), bart_layers=6, gpt2_layers=12, max_rows=32, run_budget_s=1200,
+                compile_batches=(1, 8))
 QUICK = Settings(samples=3, min_sample_s=0.0, max_measure_s=1.0, min_samples=2, warmup_calls=0,
-                 new_tokens=16, batch_sizes=(1, 8), bart_layers=2, gpt2_layers=2, max_rows=32, run_budget_s=100)
+                 new_tokens=16, batch_sizes=(1, 8), bart_layers=2, gpt2_layers=2, max_rows=32, run_budget_s=100,
+                 compile_batches=(1,))
 BANDWIDTH_SAMPLING = Sampling(samples=9, min_sample_s=0.0, max_measure_s=2.0, min_samples=3, warmup_calls=1)
 
 
@@ -156,14 +161,17 @@ def decoder_bytes_per_step(spec: ModelSpec, model: transformers.PreTrainedModel)
 
 
 class HFGenerate:
-    """``model.generate()`` of a Hugging Face model, unpatched or accelerated by lightgen."""
+    """``model.generate()`` of a Hugging Face model, unpatched or accelerated by lightgen; ``generate_kwargs``
+    are passed on every call, and the provider runs only the cases ``runs(batch, decoding)`` accepts."""
 
-    def __init__(self, name: str, model: transformers.PreTrainedModel):
-        self.name, self.model = name, model
+    def __init__(self, name: str, model: transformers.PreTrainedModel, generate_kwargs: dict | None = None,
+                 runs: Callable[[int, Decoding], bool] = lambda batch, decoding: True):
+        self.name, self.model, self.generate_kwargs, self.runs = name, model, generate_kwargs or {}, runs
 
     def prepare(self, prompts: torch.Tensor, decoding: Decoding, new_tokens: int) -> Callable[[], torch.Tensor]:
         kwargs = dict(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                      min_new_tokens=new_tokens, num_beams=decoding.num_beams, do_sample=decoding.do_sample)
+                      min_new_tokens=new_tokens, num_beams=decoding.num_beams, do_sample=decoding.do_sample,
+                      **self.generate_kwargs)
         if decoding.do_sample:
             kwargs["top_k"] = TOP_K
 
@@ -176,6 +184,16 @@ class HFGenerate:
     @staticmethod
     def new_token_ids(output: torch.Tensor, new_tokens: int) -> torch.Tensor:
         return output[:, -new_tokens:]
+
+
+def compiled_hf(model: transformers.PreTrainedModel, batches: tuple[int, ...]) -> HFGenerate:
+    """HF's fastest stock setting: a static KV cache, with which ``generate`` compiles the decoding forward
+    (``torch.compile``, inductor); on CPU only when asked through CompileConfig's ``_compile_all_devices``."""
+    compile_config = transformers.CompileConfig()
+    compile_config._compile_all_devices = True
+    return HFGenerate(HF_COMPILE, copy.deepcopy(model),
+                      dict(cache_implementation="static", compile_config=compile_config),
+                      runs=lambda batch, decoding: decoding.name == "greedy" and batch in batches)
 
 
 def token(token_id: int) -> str:
@@ -376,6 +394,7 @@ class CaseResult:
         providers = {name: {"ms_per_step": self.ms_per_step(name), "tokens_per_s": self.tokens_per_s(name)}
                      for name in self.timings}
         speedups = {"lightgen_vs_hf": self.speedup(LIGHTGEN, HF),
+                    "lightgen_vs_hf_compile": self.speedup(LIGHTGEN, HF_COMPILE),
                     "lightgen_vs_ctranslate2": self.speedup(LIGHTGEN, CT2),
                     "ctranslate2_vs_hf": self.speedup(CT2, HF),
                     "lightgen_int8_vs_hf": self.speedup(LIGHTGEN_INT8, HF),
@@ -395,6 +414,9 @@ def run_case(providers: list[HFGenerate | CTranslate2Generate], label: str, prom
         new_ids[provider.name] = provider.new_token_ids(output, settings.new_tokens)
         caught[provider.name] = sorted({str(warning.message) for warning in raised})
 
+    if decoding.deterministic and HF_COMPILE in new_ids and not torch.equal(new_ids[HF_COMPILE], new_ids[HF]):
+        print(f"!!! hf-compile's {decoding.name} tokens differ from HF's ({label}, batch {prompts.shape[0]})",
+              file=sys.stderr)
     lightgen_matches = torch.equal(new_ids[LIGHTGEN], new_ids[HF])
     if decoding.deterministic and not lightgen_matches:
         print(f"!!! MISMATCH: lightgen's {decoding.name} tokens differ from HF's ({label}, batch {prompts.shape[0]})",
@@ -443,8 +465,8 @@ def benchmark_model(spec: ModelSpec, settings: Settings, bandwidth_gb_s: float,
             workers.callback(provider.stop)  # waited for, so their CPU time counts as ours in the contention share
         if ctranslate2 is not None:
             print(f"{label}: ctranslate2 {ct2_state}", file=sys.stderr)
-        providers = [HFGenerate(HF, model), HFGenerate(LIGHTGEN, accelerated), HFGenerate(LIGHTGEN_INT8, quantized),
-                     *ct2]
+        providers = [HFGenerate(HF, model), compiled_hf(model, settings.compile_batches),
+                     HFGenerate(LIGHTGEN, accelerated), HFGenerate(LIGHTGEN_INT8, quantized), *ct2]
         for batch in settings.batch_sizes:
             prompts = torch.randint(FIRST_PROMPT_ID, VOCAB, (batch, PROMPT_TOKENS),
                                     generator=torch.Generator().manual_seed(batch))
@@ -454,7 +476,8 @@ def benchmark_model(spec: ModelSpec, settings: Settings, bandwidth_gb_s: float,
                     skipped.append(f"{label} batch {batch} {decoding.name}: {reason}")
                     continue
                 print(f"{label} batch {batch} {decoding.name}...", file=sys.stderr)
-                results.append(run_case(providers, label, prompts, decoding, settings))
+                case_providers = [p for p in providers if getattr(p, "runs", lambda *_: True)(batch, decoding)]
+                results.append(run_case(case_providers, label, prompts, decoding, settings))
     report = ModelReport(label, model.config._attn_implementation, ct2_state, weight_bytes,
                          weight_bytes / (bandwidth_gb_s * 1e9) * 1e3, skipped)
     return report, results
@@ -488,21 +511,21 @@ def format_percent(value: float | None) -> str:
 def results_table(results: list[CaseResult]) -> list[str]:
     names = " / ".join(PROVIDERS)
     lines = [
-        f"| model | batch | decoding | ms/step {names} | lightgen vs HF | lightgen vs CT2 | int8: lightgen vs HF | "
+        f"| model | batch | decoding | ms/step {names} | lightgen vs HF | lightgen vs HF compile | lightgen vs CT2 | "
+        "int8: lightgen vs HF | "
         f"int8: lightgen vs CT2 | peak RSS +MB {names} | lightgen = HF | tokens = HF fp32: lightgen-int8 / CT2 / "
         "CT2-int8 |",
-        "|---|--:|---|--:|--:|--:|--:|--:|--:|---|--:|",
+        "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|---|--:|",
     ]
     for result in results:
         ms = " / ".join(format_ms(result, name) for name in PROVIDERS)
         rss = " / ".join(format_number(result.peak_rss_growth_mb.get(name), 0) for name in PROVIDERS)
         agreement = " / ".join(format_percent(result.token_match.get(name)) for name in (LIGHTGEN_INT8, CT2, CT2_INT8))
-        lines.append(
-            f"| {result.model} | {result.batch} | {result.decoding} | {ms} | "
-            f"{format_speedup(result.speedup(LIGHTGEN, HF))} | {format_speedup(result.speedup(LIGHTGEN, CT2))} | "
-            f"{format_speedup(result.speedup(LIGHTGEN_INT8, HF))} | "
-            f"{format_speedup(result.speedup(LIGHTGEN_INT8, CT2_INT8))} | {rss} | {format_match(result)} | "
-            f"{agreement} |")
+        speedups = " | ".join(format_speedup(result.speedup(provider, baseline)) for provider, baseline in
+                              ((LIGHTGEN, HF), (LIGHTGEN, HF_COMPILE), (LIGHTGEN, CT2), (LIGHTGEN_INT8, HF),
+                               (LIGHTGEN_INT8, CT2_INT8)))
+        lines.append(f"| {result.model} | {result.batch} | {result.decoding} | {ms} | {speedups} | {rss} | "
+                     f"{format_match(result)} | {agreement} |")
     return lines
 
 
@@ -548,7 +571,11 @@ def markdown(env: dict, settings: Settings, bandwidth: dict[str, float], models:
         f"- models: random weights from configs (torch.manual_seed(0)); vocabulary {VOCAB} for both (GPT-2's real "
         "one is 50257, cut to keep the run short); HF attention: "
         + ", ".join(f"{m.label} {m.hf_attention}" for m in models),
-        "- providers: hf = the unpatched model's generate(); lightgen = a deep copy after "
+        "- providers: hf = the unpatched model's generate(); hf-compile = the same model's generate() with "
+        "cache_implementation=\"static\", with which HF compiles the decoding forward (torch.compile, inductor; "
+        f"enabled on CPU through CompileConfig), greedy at batch {' and '.join(map(str, settings.compile_batches))} "
+        "only "
+        "(each shape compiles once, 30-60 s); lightgen = a deep copy after "
         f"lightgen.accelerate_model; lightgen-int8 = accelerate_model(quantize=\"int8\"), weight-only int8; "
         f"{ct2_line}",
         "- ms/step = one generate() call / new tokens (the encoder or prompt pass included); tok/s = batch × new "
