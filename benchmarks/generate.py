@@ -256,6 +256,7 @@ class CTranslate2Generate:
             save_for_ctranslate2(model, spec, hf_dir)
             ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(ct2_dir))
         self.encoder_decoder = model.config.is_encoder_decoder
+        self.runs = lambda batch, decoding: True
         self.worker = CTranslate2Worker()
         try:
             self.worker.request("load", str(ct2_dir), compute_type, torch.get_num_threads(), self.encoder_decoder)
@@ -476,8 +477,8 @@ def benchmark_model(spec: ModelSpec, settings: Settings, bandwidth_gb_s: float,
                     skipped.append(f"{label} batch {batch} {decoding.name}: {reason}")
                     continue
                 print(f"{label} batch {batch} {decoding.name}...", file=sys.stderr)
-                case_providers = [p for p in providers if getattr(p, "runs", lambda *_: True)(batch, decoding)]
-                results.append(run_case(case_providers, label, prompts, decoding, settings))
+                running = [provider for provider in providers if provider.runs(batch, decoding)]
+                results.append(run_case(running, label, prompts, decoding, settings))
     report = ModelReport(label, model.config._attn_implementation, ct2_state, weight_bytes,
                          weight_bytes / (bandwidth_gb_s * 1e9) * 1e3, skipped)
     return report, results
@@ -574,8 +575,7 @@ def markdown(env: dict, settings: Settings, bandwidth: dict[str, float], models:
         "- providers: hf = the unpatched model's generate(); hf-compile = the same model's generate() with "
         "cache_implementation=\"static\", with which HF compiles the decoding forward (torch.compile, inductor; "
         f"enabled on CPU through CompileConfig), greedy at batch {' and '.join(map(str, settings.compile_batches))} "
-        "only "
-        "(each shape compiles once, 30-60 s); lightgen = a deep copy after "
+        "only (each shape compiles once, 30-60 s); lightgen = a deep copy after "
         f"lightgen.accelerate_model; lightgen-int8 = accelerate_model(quantize=\"int8\"), weight-only int8; "
         f"{ct2_line}",
         "- ms/step = one generate() call / new tokens (the encoder or prompt pass included); tok/s = batch × new "
