@@ -50,6 +50,7 @@ from lightgen.generation.aggressive import (
 )
 from lightgen.generation.diverse import group_beam_search
 from lightgen.memory import cached_cpu_memory
+from lightgen.modules.inference import skips_hooks
 
 DECODER_ATTR = "_lightgen_decoder"
 
@@ -122,9 +123,12 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     if kwargs.get("use_cache") is False:
         _fall_back("use_cache=False is not supported by lightgen's engine")
         return original(model, inputs, generation_config, **kwargs)
-    # lightgen's decoder reads weights directly; accelerate hooks (offload, dispatch) must bring them in.
-    if any("_hf_hook" in module.__dict__ for module in model.modules()):
-        _fall_back("the model carries accelerate hooks (offloaded or dispatched weights)")
+    # lightgen's decoder reads weights directly, so it would skip hooks on the model's modules.
+    hooked = next((name for name, module in model.named_modules() if skips_hooks(module)), None)
+    if hooked is not None:
+        kind = "accelerate hooks (offloaded or dispatched weights)" if "_hf_hook" in vars(
+            model.get_submodule(hooked)) else "forward hooks"
+        _fall_back(f"module '{hooked or type(model).__name__}' carries {kind}")
         return original(model, inputs, generation_config, **kwargs)
     decode = functools.partial(lightgen_decode, aggressive=aggressive)
     _deferred.pending = True

@@ -1,6 +1,7 @@
 """lightgen's generate() loop vs Hugging Face's, token for token (fp32, random-weight models)."""
 
 import copy
+import re
 import threading
 
 import pytest
@@ -489,3 +490,36 @@ def test_min_length_blocking_copies_after_a_processor_of_unknown_origin():
     after_user = _without_vocabulary_scans(LogitsProcessorList([cached, blocked]))
     out = after_user(torch.zeros(2, 3, dtype=torch.long), torch.randn(2, 10))
     assert not after_user[1].in_place and torch.isinf(out[:, 3]).all() and not cached.kept.isinf().any()
+
+
+HOOKED_MODULES = {  # a linear layer, a norm (read directly by lightgen's fused paths) and a whole layer
+    "bart": ("model.decoder.layers.0.self_attn.q_proj", "model.decoder.layers.1.final_layer_norm",
+             "model.encoder.layers.0.self_attn_layer_norm", "model.decoder.layers.0"),
+    "gpt2": ("transformer.h.0.attn.c_attn", "transformer.h.1.ln_2", "transformer.h.0"),
+}
+
+
+@pytest.mark.parametrize("family, hooked", [(f, m) for f, names in HOOKED_MODULES.items() for m in names])
+def test_forward_hooks_run_and_change_the_output_as_in_hf(family, hooked):
+    """Hooks that change a module's output (steering) must not be skipped by lightgen's direct weight reads:
+    generate warns and runs HF's loop, whose patched blocks run their original code around a hooked module."""
+    accelerated, reference = _pair(family, 0)
+    calls = []
+
+    def steer(module, inputs, output):
+        calls.append(1)
+        return output * 1.5
+
+    for model in (accelerated, reference):
+        model.get_submodule(hooked).register_forward_hook(steer)
+    ids, mask = padded_batch(family, 2, 6)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, pad_token_id=0)
+    expected = reference.generate(**kwargs)
+    hf_calls = len(calls)
+    calls.clear()
+    with pytest.warns(RuntimeWarning, match=f"module '{re.escape(hooked)}' carries forward hooks"):
+        got = accelerated.generate(**kwargs)
+    assert torch.equal(got, expected) and len(calls) == hf_calls > 0
+    forward = dict(input_ids=ids, attention_mask=mask) | ({"decoder_input_ids": ids} if family in SEQ2SEQ else {})
+    with torch.no_grad():  # the patched forward itself, outside generate: the unhooked layers run lightgen's kernels
+        torch.testing.assert_close(accelerated(**forward).logits, reference(**forward).logits, atol=1e-4, rtol=1e-4)
