@@ -112,7 +112,8 @@ def linear_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def apply_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` from lightgen's own fast paths (inference only): a patched layer's kernel is called
     directly, without nn.Module's call and the patched forward's checks (~5 us a layer, measured: a tenth
-    of the demo model's decode step). Models whose modules carry hooks never get here (``skips_hooks``)."""
+    of the demo model's decode step). HF models whose modules carry hooks never get here (``skips_hooks``);
+    the fairseq IAD/GAD generator does not check (a known limit)."""
     weights = kernel_weights(module, x)
     return weights.run(x, module.bias) if weights is not None else module(x)
 
