@@ -154,14 +154,14 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
     gained = [[] for _ in range(rows)]
     if prompt_len == 1:  # a lone start token (encoder-decoder): the first pass already verifies a draft
         drafts = _draft(drafter, live, outputs, max_length, max_draft)
-        logits, best = _verify(decoder, state, outputs, live, drafts, pad_token_id, input_ids.dtype, acceptance)
+        logits, best, draft_tensor = _verify(decoder, state, outputs, live, drafts, pad_token_id, input_ids.dtype,
+                                             acceptance)
     else:
         logits = decoder.step(state, input_ids, prompt_positions)[:, None]  # the prompt pass: [rows, 1, V]
         best = ops.greedy_tokens(logits)
-        drafts = [[] for _ in live]
+        drafts, draft_tensor = [[] for _ in live], best.new_empty(rows, 0)
     while True:
         width = best.shape[1] - 1
-        draft_tensor = pad_rows(drafts, -1, device)  # [rows, width]
         passed = acceptance.accepted(logits, best, draft_tensor).cumprod(-1).sum(-1).tolist()
         predictions = best.tolist()
         rejected, finished = [], []
@@ -187,7 +187,8 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
             state.keep_rows(torch.tensor(keep, device=device))
             live = [live[slot] for slot in keep]
         drafts = _draft(drafter, live, outputs, max_length, max_draft)
-        logits, best = _verify(decoder, state, outputs, live, drafts, pad_token_id, input_ids.dtype, acceptance)
+        logits, best, draft_tensor = _verify(decoder, state, outputs, live, drafts, pad_token_id, input_ids.dtype,
+                                             acceptance)
     return pad_rows(outputs, pad_token_id, device).to(input_ids.dtype), gained
 
 
@@ -203,22 +204,24 @@ def _draft(drafter, live, outputs, max_length, max_draft) -> list[list[int]]:
 
 
 def _verify(decoder, state, outputs, live, drafts, pad_token_id, dtype,
-            acceptance: Acceptance) -> tuple[torch.Tensor | None, torch.Tensor]:
+            acceptance: Acceptance) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """One decoder pass over ``[last token, draft]`` per row: the logits [rows, 1 + K, V] when the
-    acceptance rule reads them (None otherwise) and their argmax [rows, 1 + K] (-1 at the padding after
-    short drafts, which greedy acceptance never reads, so lightgen's decoder skips their LM head)."""
+    acceptance rule reads them (None otherwise), their argmax [rows, 1 + K] (-1 at the padding after
+    short drafts, which greedy acceptance never reads, so lightgen's decoder skips their LM head) and the
+    drafts [rows, K] (-1 after each row's draft)."""
     device = state.next_position.device
-    tokens = pad_rows([[outputs[row][-1], *draft] for row, draft in zip(live, drafts, strict=True)], pad_token_id,
-                      device).to(dtype)
-    width = tokens.shape[1] - 1
+    padded = pad_rows([[outputs[row][-1], *draft] for row, draft in zip(live, drafts, strict=True)], pad_token_id,
+                      device)
+    tokens, width = padded.to(dtype), padded.shape[1] - 1
+    draft_lengths = torch.tensor([len(draft) for draft in drafts], device=device)
+    real = torch.arange(1 + width, device=device) <= draft_lengths[:, None]
+    draft_tensor = padded[:, 1:].masked_fill(~real[:, 1:], -1)
     # Padding after short drafts is computed and rolled back; clamp its positions into the table.
     positions = (state.next_position[:, None] + torch.arange(1 + width, device=device)).clamp(
         max=decoder.spec.position_limit - 1)
     if acceptance.reads_logits or not isinstance(decoder, Decoder):  # fairseq's scorer post-processes every position
         logits = decoder.step(state, tokens, positions, all_positions=True)
-        return logits, ops.greedy_tokens(logits)
-    draft_lengths = torch.tensor([len(draft) for draft in drafts], device=device)
-    real = torch.arange(1 + width, device=device) <= draft_lengths[:, None]
+        return logits, ops.greedy_tokens(logits), draft_tensor
     best = torch.full(tokens.shape, -1, dtype=torch.long, device=device)
     best[real] = ops.greedy_tokens(decoder.step(state, tokens, positions, scored=real))
-    return None, best
+    return None, best, draft_tensor
