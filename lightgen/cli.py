@@ -182,7 +182,7 @@ def main(argv=None) -> None:
     elif args.command == "install-fairseq":
         install_fairseq()
     elif args.command == "train-drafter":
-        from lightgen.drafting import main as train_drafter_main
+        from lightgen.drafter_cli import main as train_drafter_main
 
         train_drafter_main(rest)
     elif args.command == "build-cuda":

@@ -111,6 +111,7 @@ def accelerate_model(model, *, quantize: str | None = None, pack: bool = True, *
     decoder = adapter.decoder(model) if adapter.decoder else None
     if decoder is not None:
         patcher.set(model, engine.DECODER_ATTR, decoder)
+        patcher.set(model, engine.ACCELERATE_ATTR, accelerate_model)
         patcher.set(model, "generate", types.MethodType(engine.accelerated_generate, model))
         patcher.set(model, "_prepare_cache_for_generation", types.MethodType(engine.deferred_cache_preparation,
                                                                               model))

@@ -7,7 +7,7 @@ own lengths; finished rows leave the batch (and the drafter's batch).
 
 - IAD (input-guided): the draft is copied from the input, after the shortest output suffix (1-3
   tokens) found exactly once in it; without one the row takes an ordinary greedy step.
-- GAD (generalized): a drafter (``lightgen.drafting``) proposes ``block_size`` tokens. Acceptance
+- GAD (generalized): a drafter (``lightgen.generation.drafting``) proposes ``block_size`` tokens. Acceptance
   is greedy's own choice (top-1), so the output equals greedy; GAD++ (``beta`` > 1) also accepts a
   draft token among the verifier's top-``beta`` whose log-probability is within ``tau`` of the top-1.
 """
@@ -21,7 +21,7 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from lightgen import ops
-from lightgen.drafting import pad_rows
+from lightgen.generation.tokens import pad_rows
 from lightgen.modules.decoder import Decoder
 
 SUFFIX_LENGTHS = (1, 2, 3)

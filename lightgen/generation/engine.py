@@ -39,7 +39,6 @@ from transformers.generation.utils import (
 )
 
 from lightgen import _build, ops
-from lightgen.drafting import start_session
 from lightgen.generation.aggressive import (
     Acceptance,
     AggressiveDecoderOnlyOutput,
@@ -49,10 +48,10 @@ from lightgen.generation.aggressive import (
     aggressive_greedy,
 )
 from lightgen.generation.diverse import group_beam_search
+from lightgen.generation.drafting import start_session
 from lightgen.memory import cached_cpu_memory
+from lightgen.modules.decoder import ACCELERATE_ATTR, DECODER_ATTR
 from lightgen.modules.inference import skips_hooks
-
-DECODER_ATTR = "_lightgen_decoder"
 
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
                    GenerationMode.BEAM_SAMPLE, GenerationMode.GROUP_BEAM_SEARCH)
@@ -92,7 +91,7 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     list per row) replaces the input as the text drafts are copied from.
 
     ``decoding="gad"`` drafts ``block_size`` tokens per pass with ``drafter`` (see
-    ``lightgen.drafting``): the same tokens as greedy with ``beta=1``; GAD++ (``beta`` > 1) also
+    ``lightgen.generation.drafting``): the same tokens as greedy with ``beta=1``; GAD++ (``beta`` > 1) also
     accepts a drafted token among the verifier's top-``beta`` within ``tau`` of the top-1's log-probability.
     """
     if kwargs.get("assistant_model") is not None and kwargs.get("assistant_tokenizer") is None and decoding == "auto":
@@ -286,7 +285,8 @@ def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_proce
         encoder_outputs = model_kwargs.get("encoder_outputs")
         drafts = start_session(aggressive.drafter, sources=sources, source_ids=source, source_mask=mask,
                                max_length=generation_config.max_length, max_draft=aggressive.longest_draft,
-                               encoder_hidden=encoder_outputs[0] if encoder_outputs is not None else None)
+                               encoder_hidden=encoder_outputs[0] if encoder_outputs is not None else None,
+                               accelerate=getattr(model, ACCELERATE_ATTR))
     eos = generation_config._eos_token_tensor
     pad = generation_config._pad_token_tensor
     # Forcing EOS at the last position picks the lowest forced id, as argmax over HF's scores does.

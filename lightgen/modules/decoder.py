@@ -20,6 +20,10 @@ from lightgen.modules.kv_cache import POOL, StaticKVCache
 from lightgen.modules.linear import apply_linear, kernel_weights
 from lightgen.modules.norm import apply_norm
 
+DECODER_ATTR = "_lightgen_decoder"  # where an adapter attaches a model's Decoder for the generation engine
+# Where an adapter attaches the function that accelerates a model (the engine accelerates an assistant with it).
+ACCELERATE_ATTR = "_lightgen_accelerate"
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionWeights:

@@ -198,7 +198,7 @@ class Generator:
         drafter = None
         if drafter_dir is not None or model_dir is None:
             from lightgen.demo import DRAFTER_DIR
-            from lightgen.drafting import NARDrafter
+            from lightgen.generation.drafting import NARDrafter
 
             drafter = NARDrafter.from_pretrained(drafter_dir or DRAFTER_DIR)
         return cls(model, tokenizer, accelerated=accelerate, drafter=drafter)

@@ -156,7 +156,7 @@ def test_training_script_runs(tmp_path):
 def test_train_drafter_command_runs(tmp_path):
     """The drafter recipe end to end on a few sentences and steps; the saved drafter drafts for GAD."""
     from lightgen.cli import main
-    from lightgen.drafting import NARDrafter
+    from lightgen.generation.drafting import NARDrafter
 
     main(["train-drafter", "--sentences", "40", "--steps", "3", "--batch-size", "8", "--out", str(tmp_path)])
     drafter = NARDrafter.from_pretrained(tmp_path)

@@ -21,8 +21,8 @@ from fairseq.models.transformer import TransformerModel  # noqa: E402
 
 import lightgen  # noqa: E402
 from lightgen.adapters.fairseq import allow_fairseq_checkpoints  # noqa: E402
-from lightgen.drafting import DrafterConfig, NARDrafter  # noqa: E402
-from lightgen.drafting import main as drafter_main  # noqa: E402
+from lightgen.drafter_cli import main as drafter_main  # noqa: E402
+from lightgen.generation.drafting import DrafterConfig, NARDrafter  # noqa: E402
 
 pytestmark = pytest.mark.fairseq
 
