@@ -27,9 +27,9 @@ def gemma_decoder(model):
     if getattr(config, "use_bidirectional_attention", False):
         raise NoEngine("lightgen's engine decodes causally, and this Gemma config sets use_bidirectional_attention")
     layer_rotary = None
-    if config.model_type == "gemma3_text":
+    if config.model_type == "gemma3_text":  # one rotary table per layer type (local layers: another theta)
         tables = {kind: functools.partial(body.rotary_emb, layer_type=kind) for kind in set(config.layer_types)}
-        layer_rotary = lambda index: tables[config.layer_types[index]]  # noqa: E731
+        layer_rotary = [tables[kind] for kind in config.layer_types].__getitem__
     embed = body.embed_tokens if body is not None else None
     return rotary_decoder(
         model, block_spec(config), sandwich=config.model_type != "gemma", layer_rotary=layer_rotary,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import sys
 
+from lightgen.adapters._blocks import patch_matching
 from lightgen.adapters.base import Adapter, register_adapter
 from lightgen.modules.block import BlockSpec, activation_for, feed_forward, run_block
 from lightgen.modules.decoder import AttentionWeights, Decoder, DecoderLayerWeights, DecoderSpec
-from lightgen.adapters._blocks import patch_matching
 
 
 def _block_spec(config) -> BlockSpec:

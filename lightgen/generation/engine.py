@@ -119,21 +119,20 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     if isinstance(input_ids, torch.Tensor) and (input_ids.dim() != 2 or input_ids.shape[0] == 0):
         raise ValueError(f"lightgen generate: input_ids must be a non-empty [batch, length] tensor, got shape "
                          f"{tuple(input_ids.shape)}")
-    for name in HF_ONLY_ARGUMENTS:
-        value = kwargs.get(name)
-        if value is not None and value is not False:
-            _fall_back(f"argument '{name}' is not supported by lightgen's engine")
-            return original(model, inputs, generation_config, **kwargs)
-    if kwargs.get("use_cache") is False:
-        _fall_back("use_cache=False is not supported by lightgen's engine")
-        return original(model, inputs, generation_config, **kwargs)
+    reason = next((f"argument '{name}' is not supported by lightgen's engine" for name in HF_ONLY_ARGUMENTS
+                   if kwargs.get(name) is not None and kwargs.get(name) is not False), None)
+    if reason is None and kwargs.get("use_cache") is False:
+        reason = "use_cache=False is not supported by lightgen's engine"
     # lightgen's decoder reads weights directly, so it would skip hooks on the model's modules.
-    hooked = next((name for name, module in model.named_modules() if skips_hooks(module)), None)
+    hooked = None if reason else next((name for name, module in model.named_modules() if skips_hooks(module)), None)
     if hooked is not None:
         kind = "accelerate hooks (offloaded or dispatched weights)" if "_hf_hook" in vars(
             model.get_submodule(hooked)) else "forward hooks"
-        _fall_back(f"module '{hooked or type(model).__name__}' carries {kind}")
-        return original(model, inputs, generation_config, **kwargs)
+        reason = f"module '{hooked or type(model).__name__}' carries {kind}"
+    if reason is not None:
+        return unaccelerated_generate(model, inputs, generation_config, reason=reason, decoding=decoding,
+                                      max_draft=max_draft, draft_ids=draft_ids, drafter=drafter,
+                                      block_size=block_size, beta=beta, tau=tau, **kwargs)
     decode = functools.partial(lightgen_decode, aggressive=aggressive)
     _deferred.pending = True
     try:

@@ -132,3 +132,27 @@ def test_forward_with_autograd_and_attention_weights_match_hf(family):
     assert torch.equal(got.sequences, expected.sequences)
     for mine, theirs in zip(got.attentions[-1], expected.attentions[-1], strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_fallbacks_from_the_engine_drop_iad_and_refuse_gad_plus_plus():
+    """An argument only HF's loop runs (here ``streamer``) used to drop decoding= silently, GAD++ included,
+    whose tokens are not greedy's."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Discard(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    reference = build("llama", seed=4)
+    accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
+    ids, mask = padded_batch("llama", 2, 6, seed=4)
+    kwargs = dict(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=5, do_sample=False)
+    with pytest.warns(RuntimeWarning, match="'streamer' is not supported.*without lightgen's decoding"):
+        got = accelerated.generate(**kwargs, streamer=Discard(), decoding="iad")
+    assert torch.equal(got, reference.generate(**kwargs))
+    drafter = build("llama", seed=5)
+    with pytest.raises(ValueError, match="GAD\\+\\+"):
+        accelerated.generate(**kwargs, streamer=Discard(), decoding="gad", drafter=drafter, beta=2)
