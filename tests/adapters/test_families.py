@@ -156,3 +156,16 @@ def test_fallbacks_from_the_engine_drop_iad_and_refuse_gad_plus_plus():
     drafter = build("llama", seed=5)
     with pytest.raises(ValueError, match="GAD\\+\\+"):
         accelerated.generate(**kwargs, streamer=Discard(), decoding="gad", drafter=drafter, beta=2)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "phi3", "gemma2", "gemma3_text", "opt", "gpt_neox"])
+def test_hf_loop_on_the_patched_layers_matches_hf(family):
+    """HF's own loop (here for cache_implementation=) steps the patched blocks and lightgen's attention through
+    HF's caches, sliding-window layers and soft-capped decode steps included."""
+    reference = build(family, seed=2)
+    accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
+    ids, mask = padded_batch(family, 3, 12, seed=2)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, num_beams=2)
+    with pytest.warns(RuntimeWarning, match="cache_implementation"):
+        got = accelerated.generate(**kwargs, cache_implementation="dynamic")
+    assert torch.equal(got, reference.generate(**kwargs))
