@@ -253,10 +253,11 @@ class Decoder:
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         spec = self.spec
         table_positions = (positions + spec.position_offset).contiguous() if spec.position_table is not None else None
-        if spec.project_in is not None:
+        if spec.project_in is not None:  # positions are added after the projection, as HF's OPT does
             hidden = apply_linear(spec.project_in, ops.embedding(tokens, spec.token_embedding, spec.embed_scale))
-            return hidden + ops.embedding(table_positions, spec.position_table) if spec.position_table is not None \
-                else hidden
+            if spec.position_table is None:
+                return hidden
+            return hidden + ops.embedding(table_positions, spec.position_table)
         if spec.position_table is not None:
             return ops.embedding(tokens, spec.token_embedding, spec.embed_scale, spec.position_table, table_positions)
         return ops.embedding(tokens, spec.token_embedding, spec.embed_scale)
