@@ -86,8 +86,16 @@ def _bert_lm_head():
                                             is_decoder=True)).eval()
 
 
+def _gpt2_with_cross_attention():
+    torch.manual_seed(0)
+    return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                            add_cross_attention=True)).eval()
+
+
 @pytest.mark.parametrize("make, reason", [(_bidirectional_gemma3, "use_bidirectional_attention"),
-                                          (_bert_lm_head, "does not run bert models")], ids=["gemma3", "bert"])
+                                          (_bert_lm_head, "does not run bert models"),
+                                          (_gpt2_with_cross_attention, "sets add_cross_attention")],
+                         ids=["gemma3", "bert", "gpt2"])
 def test_models_off_the_engine_warn_and_keep_lightgen_arguments_out_of_hf(make, reason, monkeypatch):
     """These used to run HF's loop silently, and decoding='iad' then failed inside HF ('model_kwargs ... not
     used: ['decoding']')."""
