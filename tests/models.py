@@ -34,12 +34,46 @@ BUILDERS = {
     "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                                               num_attention_heads=4, num_key_value_heads=1,
                                                               intermediate_size=48, max_position_embeddings=64,
-                                                              pad_token_id=0, sliding_window=None)),
+                                                              pad_token_id=0, sliding_window=6)),
+    # Qwen2: layer 0 full attention, layer 1 a window of 5 (max_window_layers), shorter than most test prompts.
     "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                                         num_attention_heads=4, num_key_value_heads=2,
                                                         intermediate_size=48, max_position_embeddings=64,
-                                                        pad_token_id=0)),
+                                                        pad_token_id=0, use_sliding_window=True, sliding_window=5,
+                                                        max_window_layers=1)),
 }
+
+# Decoder-only families of issue 20: head dims that are not powers of two, grouped-query attention, and
+# sliding windows shorter than the test prompts where the family has them.
+_ROTARY = dict(vocab_size=VOCAB, num_hidden_layers=2, intermediate_size=40, max_position_embeddings=64,
+               pad_token_id=0, bos_token_id=2, eos_token_id=1)
+DECODER_FAMILIES = {
+    "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(vocab_size=VOCAB, hidden_size=36, num_hidden_layers=2,
+                                                  num_attention_heads=3, ffn_dim=40, max_position_embeddings=64,
+                                                  word_embed_proj_dim=36, pad_token_id=1, bos_token_id=2,
+                                                  eos_token_id=2)),
+    "gpt_neox": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=40, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+        max_position_embeddings=64, rotary_pct=0.4, use_parallel_residual=True, bos_token_id=2, eos_token_id=1,
+        pad_token_id=0)),
+    "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(hidden_size=48, num_attention_heads=4, num_key_value_heads=2,
+                                                     partial_rotary_factor=0.5, sliding_window=7, **_ROTARY)),
+    "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                                        head_dim=12, **_ROTARY)),
+    "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=1,
+                                                        head_dim=12, **_ROTARY)),
+    # Small caps so that soft-capping changes the scores and logits of random weights.
+    "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=12, query_pre_attn_scalar=10,
+        sliding_window=5, attn_logit_softcapping=0.05, final_logit_softcapping=3.0,
+        **{**_ROTARY, "num_hidden_layers": 3})),
+    "gemma3_text": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=12, query_pre_attn_scalar=10,
+        sliding_window=5, sliding_window_pattern=2, final_logit_softcapping=3.0,
+        **{**_ROTARY, "num_hidden_layers": 3})),
+}
+BUILDERS.update(DECODER_FAMILIES)
+DECODER_ONLY += tuple(DECODER_FAMILIES)
 
 
 def build(family: str, seed: int = 0, dtype=torch.float32):

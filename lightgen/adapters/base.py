@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from typing import Callable
 
 from torch import nn
+from transformers import GenerationMixin
 
 from lightgen.adapters._patch import Patcher
 from lightgen.generation import engine
 from lightgen.modules import attention as lg_attention
+from lightgen.modules.decoder import NoEngine
 from lightgen.modules.linear import check_precision, is_conv1d, linear_forward, linear_weights
 from lightgen.modules.norm import apply_norm, norm_kind
 
@@ -57,7 +60,7 @@ def _patch_norms(model: nn.Module, patcher: Patcher) -> None:
     """Every affine LayerNorm / RMSNorm not already inside a patched block runs the lightgen op."""
     for name, module in model.named_modules():
         kind = norm_kind(module)
-        if kind is not None:
+        if kind is not None and kind != "rms_offset":  # (1 + w) norms run a composite: nothing to patch
             patcher.replace_forward(module, apply_norm, f"{kind}_norm", name)
 
 
@@ -108,15 +111,33 @@ def accelerate_model(model, *, quantize: str | None = None, pack: bool = True, *
         lg_attention.register()
         patcher.previous_attn_implementation = model.config._attn_implementation
         model.set_attn_implementation(lg_attention.IMPLEMENTATION)
-    decoder = adapter.decoder(model) if adapter.decoder else None
+    decoder, reason = _decoder(adapter, model)
     if decoder is not None:
         patcher.set(model, engine.DECODER_ATTR, decoder)
         patcher.set(model, engine.ACCELERATE_ATTR, accelerate_model)
         patcher.set(model, "generate", types.MethodType(engine.accelerated_generate, model))
         patcher.set(model, "_prepare_cache_for_generation", types.MethodType(engine.deferred_cache_preparation,
                                                                               model))
+    elif isinstance(model, GenerationMixin):
+        # Never silently off the engine: generate warns (or raises under LIGHTGEN_STRICT=1) and keeps
+        # lightgen's own arguments away from HF's loop.
+        patcher.set(model, "generate", types.MethodType(functools.partial(engine.unaccelerated_generate,
+                                                                          reason=reason), model))
     patcher.set(model, PATCHER_ATTR, patcher)
     return model
+
+
+def _decoder(adapter: Adapter, model) -> tuple[object | None, str]:
+    """The engine's decoder for ``model``, or None and why not."""
+    if adapter.decoder is None:
+        return None, f"lightgen's engine does not run {adapter.family} models"
+    try:
+        decoder = adapter.decoder(model)
+    except NoEngine as reason:
+        return None, str(reason)
+    if decoder is None:
+        return None, f"lightgen's engine does not run {type(model).__name__} (it runs the family's LM-head models)"
+    return decoder, ""
 
 
 def _is_fairseq(model) -> bool:
@@ -160,4 +181,4 @@ def patched_summary(model) -> list[str]:
 
 
 # Family modules register themselves on import.
-from lightgen.adapters import bart, bert, gpt2, llama  # noqa: E402,F401
+from lightgen.adapters import bart, bert, gemma, gpt2, gpt_neox, llama, opt, phi3, qwen3  # noqa: E402,F401

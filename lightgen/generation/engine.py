@@ -79,6 +79,17 @@ def _fall_back(reason: str, instead: str = "Hugging Face's own generate loop") -
     warnings.warn(f"lightgen generate: {reason}; running {instead} instead", RuntimeWarning, stacklevel=4)
 
 
+def _check_lightgen_arguments(decoding, max_draft, block_size, drafter, beta, tau) -> None:
+    if decoding not in ("auto", "iad", "gad"):
+        raise ValueError(f"lightgen generate: decoding must be 'auto', 'iad' or 'gad', got {decoding!r}")
+    if (max_draft is not None and max_draft < 1) or block_size < 1:
+        raise ValueError(f"lightgen generate: max_draft and block_size must be >= 1, got {max_draft}, {block_size}")
+    if (decoding == "gad") != (drafter is not None):
+        raise ValueError("lightgen generate: decoding='gad' needs a drafter, and a drafter needs decoding='gad'")
+    if decoding != "gad" and (beta != 1 or tau != 0.0):
+        raise ValueError("lightgen generate: beta and tau (GAD++) apply to decoding='gad' only")
+
+
 def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, *, decoding: str = "auto",
                          max_draft: int | None = None, draft_ids=None, drafter=None, block_size: int = 8, beta: int = 1,
                          tau: float = 0.0, **kwargs):
@@ -97,14 +108,7 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     if kwargs.get("assistant_model") is not None and kwargs.get("assistant_tokenizer") is None and decoding == "auto":
         # HF's assisted decoding, batched: the assistant drafts for GAD (greedy: the same tokens as HF's).
         decoding, drafter = "gad", kwargs.pop("assistant_model")
-    if decoding not in ("auto", "iad", "gad"):
-        raise ValueError(f"lightgen generate: decoding must be 'auto', 'iad' or 'gad', got {decoding!r}")
-    if (max_draft is not None and max_draft < 1) or block_size < 1:
-        raise ValueError(f"lightgen generate: max_draft and block_size must be >= 1, got {max_draft}, {block_size}")
-    if (decoding == "gad") != (drafter is not None):
-        raise ValueError("lightgen generate: decoding='gad' needs a drafter, and a drafter needs decoding='gad'")
-    if decoding != "gad" and (beta != 1 or tau != 0.0):
-        raise ValueError("lightgen generate: beta and tau (GAD++) apply to decoding='gad' only")
+    _check_lightgen_arguments(decoding, max_draft, block_size, drafter, beta, tau)
     aggressive = None
     if decoding != "auto":
         aggressive = Aggressive(drafter=drafter, draft_ids=draft_ids, acceptance=Acceptance(beta, tau),
@@ -114,21 +118,20 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     if isinstance(input_ids, torch.Tensor) and (input_ids.dim() != 2 or input_ids.shape[0] == 0):
         raise ValueError(f"lightgen generate: input_ids must be a non-empty [batch, length] tensor, got shape "
                          f"{tuple(input_ids.shape)}")
-    for name in HF_ONLY_ARGUMENTS:
-        value = kwargs.get(name)
-        if value is not None and value is not False:
-            _fall_back(f"argument '{name}' is not supported by lightgen's engine")
-            return original(model, inputs, generation_config, **kwargs)
-    if kwargs.get("use_cache") is False:
-        _fall_back("use_cache=False is not supported by lightgen's engine")
-        return original(model, inputs, generation_config, **kwargs)
+    reason = next((f"argument '{name}' is not supported by lightgen's engine" for name in HF_ONLY_ARGUMENTS
+                   if kwargs.get(name) is not None and kwargs.get(name) is not False), None)
+    if reason is None and kwargs.get("use_cache") is False:
+        reason = "use_cache=False is not supported by lightgen's engine"
     # lightgen's decoder reads weights directly, so it would skip hooks on the model's modules.
-    hooked = next((name for name, module in model.named_modules() if skips_hooks(module)), None)
+    hooked = None if reason else next((name for name, module in model.named_modules() if skips_hooks(module)), None)
     if hooked is not None:
         kind = "accelerate hooks (offloaded or dispatched weights)" if "_hf_hook" in vars(
             model.get_submodule(hooked)) else "forward hooks"
-        _fall_back(f"module '{hooked or type(model).__name__}' carries {kind}")
-        return original(model, inputs, generation_config, **kwargs)
+        reason = f"module '{hooked or type(model).__name__}' carries {kind}"
+    if reason is not None:
+        return unaccelerated_generate(model, inputs, generation_config, reason=reason, decoding=decoding,
+                                      max_draft=max_draft, draft_ids=draft_ids, drafter=drafter,
+                                      block_size=block_size, beta=beta, tau=tau, **kwargs)
     decode = functools.partial(lightgen_decode, aggressive=aggressive)
     _deferred.pending = True
     try:
@@ -137,6 +140,24 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     finally:
         _deferred.pending = False
         _deferred.call = None
+
+
+def unaccelerated_generate(model: nn.Module, inputs=None, generation_config=None, *, reason: str,
+                           decoding: str = "auto", max_draft: int | None = None, draft_ids=None, drafter=None,
+                           block_size: int = 8, beta: int = 1, tau: float = 0.0, **kwargs):
+    """``model.generate`` after ``accelerate_model`` for a model lightgen's engine cannot run (``reason``): HF's
+    loop on the patched layers, with the fallback warning. lightgen's own arguments never reach HF: IAD and GAD
+    give greedy's tokens, so they are dropped (the warning says so); GAD++ (``beta`` > 1) changes the tokens, so
+    it is an error."""
+    _check_lightgen_arguments(decoding, max_draft, block_size, drafter, beta, tau)
+    if beta != 1 or tau != 0.0:
+        raise ValueError(f"lightgen generate: GAD++ (beta={beta}, tau={tau}) needs lightgen's engine, and {reason}")
+    ours = [name for name, given in (("decoding", decoding != "auto"), ("max_draft", max_draft is not None),
+                                     ("draft_ids", draft_ids is not None), ("drafter", drafter is not None),
+                                     ("block_size", block_size != 8)) if given]
+    dropped = f" (without lightgen's {', '.join(ours)}: greedy's tokens)" if ours else ""
+    _fall_back(f"{reason}{dropped}")
+    return type(model).generate(model, inputs, generation_config, **kwargs)
 
 
 # HF's generate builds its KV cache object before it hands over to lightgen's loop, which never reads it;

@@ -10,6 +10,8 @@ for the last position only.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Callable
 
 import torch
 from torch import nn
@@ -25,9 +27,13 @@ DECODER_ATTR = "_lightgen_decoder"  # where an adapter attaches a model's Decode
 ACCELERATE_ATTR = "_lightgen_accelerate"
 
 
+class NoEngine(Exception):
+    """Raised by an adapter's decoder builder: this model generates with HF's loop, for the reason given."""
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionWeights:
-    q: nn.Module  # nn.Linear, or with k = v = None a fused q|k|v projection (GPT-2's Conv1D)
+    q: nn.Module  # nn.Linear, or with k = v = None a fused q|k|v projection (GPT-2's Conv1D, Phi-3's qkv_proj)
     k: nn.Module | None
     v: nn.Module | None
     out: nn.Module
@@ -35,14 +41,39 @@ class AttentionWeights:
     kv_heads: int
     head_dim: int
     scaling: float
+    # The fused projection holds [q | k | v] per head (GPT-NeoX), not all q, then all k, then all v.
+    interleaved_qkv: bool = False
+    q_norm: nn.Module | None = None  # per-head norms on q and k before rotary (Qwen3, Gemma 3)
+    k_norm: nn.Module | None = None
+    scale_queries: bool = False  # q is multiplied by ``scaling`` before the dot products (OPT), not the scores
+    window: int = 0  # sliding window (HF's ``sliding_window``: keys seen, the query's own included); 0: none
+    softcap: float = 0.0  # tanh soft-capping of the scores (Gemma 2's attn_logit_softcapping); 0: none
 
     def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[N, T, E] -> q [N, H, T, D], k and v [N, Hkv, T, D] (views)."""
+        """[N, T, E] -> q [N, H, T, D], k and v [N, Hkv, T, D] (views, unless normed or scaled)."""
         if self.k is None:
-            q, k, v = apply_linear(self.q, h).split(self.heads * self.head_dim, dim=-1)
+            qkv = apply_linear(self.q, h)
+            if self.interleaved_qkv:
+                rows, length, _ = qkv.shape
+                per_head = qkv.view(rows, length, self.heads, 3 * self.head_dim).transpose(1, 2)
+                q, k, v = per_head.chunk(3, dim=-1)
+            else:
+                q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+                q, k, v = (_split_heads(t, heads) for t, heads in zip(
+                    qkv.split([q_width, kv_width, kv_width], dim=-1), (self.heads, self.kv_heads, self.kv_heads),
+                    strict=True))
         else:
-            q, k, v = apply_linear(self.q, h), apply_linear(self.k, h), apply_linear(self.v, h)
-        return _split_heads(q, self.heads), _split_heads(k, self.kv_heads), _split_heads(v, self.kv_heads)
+            q = _split_heads(apply_linear(self.q, h), self.heads)
+            k, v = (_split_heads(apply_linear(proj, h), self.kv_heads) for proj in (self.k, self.v))
+        if self.q_norm is not None:
+            q, k = apply_norm(self.q_norm, q), apply_norm(self.k_norm, k)
+        if self.scale_queries:
+            q = q * self.scaling
+        return q, k, v
+
+    @property
+    def score_scale(self) -> float:
+        return 1.0 if self.scale_queries else self.scaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +84,10 @@ class DecoderLayerWeights:
     ffn_norm: nn.Module
     cross_attn: AttentionWeights | None = None
     cross_norm: nn.Module | None = None
+    # Norms on a sublayer's output before its residual add (Gemma 2/3's post-attention and post-FFN norms).
+    self_out_norm: nn.Module | None = None
+    ffn_out_norm: nn.Module | None = None
+    rotary: Callable | None = None  # this layer's (x, position_ids) -> (cos, sin), when not the spec's (Gemma 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +105,21 @@ class DecoderSpec:
     embedding_norm: nn.Module | None = None
     final_norm: nn.Module | None = None
     logits_bias: torch.Tensor | None = None  # [1, V]
+    logits_softcap: float = 0.0  # logits -> tanh(logits / cap) * cap (Gemma 2's final_logit_softcapping); 0: none
+    # OPT-350m: the embedding width differs from the model width; projections in (after the lookup, before the
+    # positions are added) and out (after the final norm).
+    project_in: nn.Module | None = None
+    project_out: nn.Module | None = None
 
     @property
     def position_limit(self) -> int:
         if self.position_table is not None:
             return self.position_table.shape[0] - self.position_offset
         return self.max_positions or 1 << 62
+
+
+def _with_out_norm(call: Callable, norm: nn.Module | None) -> Callable:
+    return call if norm is None else lambda h: apply_norm(norm, call(h))
 
 
 def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -183,21 +227,22 @@ class Decoder:
             raise RuntimeError(f"decoder cache of {cache.max_len} positions is full")
         if positions is None:
             positions = state.next_position[:, None] + torch.arange(length, device=tokens.device)
-        if spec.position_table is not None:
-            hidden = ops.embedding(tokens, spec.token_embedding, spec.embed_scale, spec.position_table,
-                                   (positions + spec.position_offset).contiguous())
-        else:
-            hidden = ops.embedding(tokens, spec.token_embedding, spec.embed_scale)
-        rotary = spec.rotary(hidden, positions) if spec.rotary is not None else None
+        hidden = self._embed(tokens, positions)
+        tables = {}  # rotary cos/sin per rotary module, computed once per step
         if spec.embedding_norm is not None:
             hidden = apply_norm(spec.embedding_norm, hidden)
         for index, layer in enumerate(spec.layers):
-            sublayers = [(lambda h, i=index, a=layer.self_attn: self._self_attention(state, i, a, h, rotary),
-                          layer.self_norm)]
+            rotary = layer.rotary or spec.rotary
+            if rotary is not None and id(rotary) not in tables:
+                tables[id(rotary)] = rotary(hidden, positions)
+            attend = functools.partial(self._self_attention, state, index, layer.self_attn,
+                                       rotary=tables.get(id(rotary)))
+            sublayers = [(_with_out_norm(attend, layer.self_out_norm), layer.self_norm)]
             if layer.cross_attn is not None:
                 sublayers.append((lambda h, i=index, a=layer.cross_attn: self._cross_attention(state, i, a, h),
                                   layer.cross_norm))
-            sublayers.append((lambda h, m=layer.ffn_owner: feed_forward(m, spec.block, h), layer.ffn_norm))
+            ffn = functools.partial(feed_forward, layer.ffn_owner, spec.block)
+            sublayers.append((_with_out_norm(ffn, layer.ffn_out_norm), layer.ffn_norm))
             hidden = run_block(spec.block, hidden, sublayers)
         cache.length += length
         state.lengths += length
@@ -205,27 +250,46 @@ class Decoder:
         last = hidden[scored] if scored is not None else hidden if all_positions else hidden[:, -1]
         if spec.final_norm is not None:
             last = apply_norm(spec.final_norm, last)
+        if spec.project_out is not None:
+            last = apply_linear(spec.project_out, last)
         return self._vocabulary_logits(last).float()
+
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        table_positions = (positions + spec.position_offset).contiguous() if spec.position_table is not None else None
+        if spec.project_in is not None:  # positions are added after the projection, as HF's OPT does
+            hidden = apply_linear(spec.project_in, ops.embedding(tokens, spec.token_embedding, spec.embed_scale))
+            if spec.position_table is None:
+                return hidden
+            return hidden + ops.embedding(table_positions, spec.position_table)
+        if spec.position_table is not None:
+            return ops.embedding(tokens, spec.token_embedding, spec.embed_scale, spec.position_table, table_positions)
+        return ops.embedding(tokens, spec.token_embedding, spec.embed_scale)
 
     def _vocabulary_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head plus the model's extra logits bias (BART's final_logits_bias), the bias fused into the
         matmul where the kernel runs the head: added afterwards, it cost a pass that reads every logit back
         from the core that wrote it (a BART batch-8 step: ~0.4 ms of 11)."""
-        head, bias = self.spec.lm_head, self.spec.logits_bias
+        head, bias, cap = self.spec.lm_head, self.spec.logits_bias, self.spec.logits_softcap
+        weights = None
         if bias is not None and bias.dtype == torch.float32 and getattr(head, "bias", None) is None:
             weights = kernel_weights(head, hidden)
-            if weights is not None:
-                return weights.run(hidden, bias.reshape(-1))
-        logits = head(hidden)
-        return logits if bias is None else logits + bias
+        if weights is not None:
+            logits = weights.run(hidden, bias.reshape(-1))
+        else:
+            logits = head(hidden)
+            if bias is not None:
+                logits = logits + bias
+        return torch.tanh(logits / cap) * cap if cap else logits
 
-    def _self_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor, rotary):
+    def _self_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor, rotary=None):
         rows, length, _ = h.shape
         query, key, value = attn.project(h)
         if rotary is not None:
             query, key = self.spec.apply_rotary(query, key, *rotary)
         keys, values = state.cache.layer(index)
-        out = ops.attention(query, keys, values, key, value, state.lengths, state.key_keep, attn.scaling, True)
+        out = ops.attention(query, keys, values, key, value, state.lengths, state.key_keep, attn.score_scale, True,
+                            attn.window, attn.softcap)
         return apply_linear(attn.out, out.view(rows, length, -1))
 
     def _cross_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor):

@@ -222,19 +222,24 @@ def test_restore_removes_the_engine():
     assert "generate" not in vars(accelerated) and not hasattr(accelerated, "_lightgen_decoder")
 
 
-def test_sliding_window_models_keep_hf_loop_and_match():
+@pytest.mark.parametrize("settings", [dict(), dict(num_beams=3), dict(decoding="iad")], ids=["greedy", "beam", "iad"])
+def test_sliding_window_models_run_on_the_engine(settings, step_counter, monkeypatch):
+    """A window of 4 and prompts of 9: Mistral used to build no decoder and run HF's loop silently."""
     import transformers as tf
 
+    monkeypatch.setenv("LIGHTGEN_STRICT", "1")
     torch.manual_seed(0)
     config = tf.MistralConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=1, intermediate_size=48, max_position_embeddings=64,
                               pad_token_id=0, sliding_window=4)
     reference = tf.MistralForCausalLM(config).eval()
     accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
-    assert not hasattr(accelerated, "_lightgen_decoder")
+    assert [layer.self_attn.window for layer in accelerated._lightgen_decoder.spec.layers] == [4, 4]
     ids, mask = padded_batch("mistral", 2, 9)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)
-    assert torch.equal(accelerated.generate(**kwargs), reference.generate(**kwargs))
+    expected = reference.generate(**kwargs, **{k: v for k, v in settings.items() if k != "decoding"})
+    assert torch.equal(accelerated.generate(**kwargs, **settings), expected)
+    assert step_counter
 
 
 @pytest.mark.parametrize("family", SEQ2SEQ)
