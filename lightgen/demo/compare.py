@@ -32,10 +32,11 @@ def median_seconds(fn, repeats: int) -> float:
 
 
 class Progress:
-    """``timing [#####.....] 12/24 lightgen IAD``: one line redrawn in a terminal, a line per round otherwise."""
+    """``timing [#####.....] 12/24 lightgen IAD (40 s)`` after each call: one line redrawn in a terminal, a
+    line each otherwise (a log, a notebook)."""
 
-    def __init__(self, total: int, rounds: int, stream=sys.stdout, width: int = 24):
-        self.total, self.rounds, self.stream, self.width = total, rounds, stream, width
+    def __init__(self, total: int, stream=sys.stdout, width: int = 24):
+        self.total, self.stream, self.width = total, stream, width
         self.done, self.started = 0, time.perf_counter()
         self.tty = getattr(stream, "isatty", lambda: False)()
 
@@ -46,7 +47,7 @@ class Progress:
                 f"({time.perf_counter() - self.started:.0f} s)")
         if self.tty:
             print(f"\r{line:<90}", end="" if self.done < self.total else "\n", file=self.stream, flush=True)
-        elif self.done % (self.total // self.rounds) == 0:
+        else:
             print(line, file=self.stream, flush=True)
 
 
@@ -127,7 +128,7 @@ def run(sentences: int, batch: int, repeats: int) -> None:
         meter = ContentionMeter()
         seconds = interleaved_seconds(
             {name: lambda m=model, kw=kw: generate_ids(m, tokenizer, texts, batch, **kw)
-             for name, (model, kw) in runs.items()}, repeats, Progress(len(runs) * repeats, repeats))
+             for name, (model, kw) in runs.items()}, repeats, Progress(len(runs) * repeats))
         share = meter.others_share()
 
     timings = {name: statistics.median(values) for name, values in seconds.items()}

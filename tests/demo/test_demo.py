@@ -125,7 +125,7 @@ def test_demo_command_runs_short(capsys):
     assert "timing [" in out  # the progress line
 
 
-def test_demo_progress_redraws_one_line_in_a_terminal_and_prints_rounds_otherwise():
+def test_demo_progress_redraws_one_line_in_a_terminal_and_prints_lines_otherwise():
     from lightgen.demo.compare import Progress
 
     class Stream(io.StringIO):
@@ -138,14 +138,14 @@ def test_demo_progress_redraws_one_line_in_a_terminal_and_prints_rounds_otherwis
 
     for tty in (True, False):
         stream = Stream(tty)
-        progress = Progress(total=6, rounds=2, stream=stream)
+        progress = Progress(total=6, stream=stream)
         for name in "abcdef":
             progress.step(name)
         text = stream.getvalue()
         if tty:
             assert text.count("\r") == 6 and text.endswith("\n") and text.count("\n") == 1
         else:
-            assert text.count("\n") == 2 and "timing [############............] 3/6 c" in text
+            assert text.count("\n") == 6 and "timing [############............] 3/6 c" in text
         assert "6/6 f" in text
 
 
