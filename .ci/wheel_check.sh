@@ -10,7 +10,12 @@ trap 'rm -rf "$work"' EXIT
 python=${PYTHON:-"$repo/.venv/bin/python"}
 started=$SECONDS
 
-"$python" -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$work/dist" "$repo"
+# From a copy of the tree's files (tracked and new, not ignored): setuptools' build/ folder in the tree could
+# hold files deleted since, and would slip them into the wheel.
+mkdir "$work/src"
+git -C "$repo" ls-files -z --cached --others --exclude-standard \
+    | (cd "$repo" && tar --null --ignore-failed-read -cf - -T - 2>/dev/null) | tar -xf - -C "$work/src"
+"$python" -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$work/dist" "$work/src"
 wheel=$(ls "$work"/dist/lightgen-*.whl)
 python3 -m venv "$work/venv"
 "$work/venv/bin/pip" install --quiet torch==2.13.0 "$wheel[fairseq]"
