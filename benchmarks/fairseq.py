@@ -34,11 +34,12 @@ import torch
 # This script is itself named fairseq.py: import the real package with the script's folder off the path.
 _script_dir = sys.path.pop(0)
 import fairseq  # noqa: E402
-from lightgen.integrations import FAIRSEQ_PLUGIN_DIR  # noqa: E402
 from fairseq import options, tasks  # noqa: E402
 
+from lightgen.integrations import FAIRSEQ_PLUGIN_DIR  # noqa: E402
+
 sys.path.insert(0, _script_dir)
-from _common import (REPO_ROOT, ContentionMeter, format_speedup, hardware_title, machine_lines,  # noqa: E402
+from _common import (ContentionMeter, format_speedup, hardware_title, machine_lines,  # noqa: E402
                      speedup_chart, start_run, write_results)
 
 WORDS, SENTENCE_WORDS = 8000, 20

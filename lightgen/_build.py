@@ -134,12 +134,12 @@ def _cpu_headers() -> list[Path]:
 
 
 def _cpu_flags(isa: str) -> dict:
-    return dict(extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", *_ISA_FLAGS.get(isa, [])], extra_ldflags=["-fopenmp"])
+    return {"extra_cflags": ["-O3", "-fopenmp", "-DNDEBUG", *_ISA_FLAGS.get(isa, [])], "extra_ldflags": ["-fopenmp"]}
 
 
 def _cuda_flags(archs: list[str]) -> dict:
     flags = ["-O3", "-DNDEBUG"]
-    return dict(extra_cflags=flags, extra_cuda_cflags=[*flags, *_gencode_flags(archs)])
+    return {"extra_cflags": flags, "extra_cuda_cflags": [*flags, *_gencode_flags(archs)]}
 
 
 def _cpu_build_name(isa: str) -> str:

@@ -2,9 +2,9 @@
 
 import os
 import re
+import shutil
 import subprocess
 import sys
-import shutil
 import textwrap
 from pathlib import Path
 
