@@ -117,10 +117,14 @@ def test_demo_command_runs_short(capsys):
                  "lightgen beam 4 == HF beam 4: True", "tokens per pass", EXAMPLES[0]):
         assert line in out
     # Results first: every sentence's verdicts before the timing starts, and the timings labelled with the load.
-    verdicts = [i for i, line in enumerate(out.splitlines()) if "same tokens as HF: greedy yes, IAD yes, GAD yes, "
-                                                                "beam 4 yes" in line]
-    timing = next(i for i, line in enumerate(out.splitlines()) if line.startswith("timing "))
+    lines = out.splitlines()
+    verdicts = [i for i, line in enumerate(lines) if "same tokens as HF: greedy yes, IAD yes, GAD yes, beam 4 yes" in line]
+    timing = next(i for i, line in enumerate(lines) if line.startswith("timing "))
     assert len(verdicts) == len(EXAMPLES) + 4 and max(verdicts) < timing
+    # each sentence's correction comes before its verdicts, and the next sentence after them
+    first_correction = next(i for i, line in enumerate(lines) if line.startswith("   -> "))
+    second_sentence = next(i for i, line in enumerate(lines) if line.startswith("  [2/"))
+    assert first_correction < verdicts[0] < second_sentence
     assert re.search(r"other processes used (\d+%|an unknown share) of the \d+ CPUs while timing", out)
     assert "timing [" in out  # the progress line
 
