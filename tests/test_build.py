@@ -1,4 +1,5 @@
-"""The kernel loader: env report, fallback to references, strict mode, concurrent first builds."""
+"""The kernel loader: env report, fallback to references, strict mode, concurrent first builds, the cache shared
+by virtualenvs, the notices before and during a build, `lightgen build`, a CLI that starts without torch."""
 
 import os
 import re
