@@ -1,20 +1,23 @@
-"""``lightgen`` command line: ``env`` (kernel report), ``demo`` (the shipped grammar corrector, HF vs
-lightgen), ``serve`` (a model behind Triton or Ray Serve), ``install-fairseq`` (the tested fairseq, for
-``lightgen[fairseq]``), ``train-drafter`` (a GAD drafter distilled from a verifier) and ``build-cuda``
+"""``lightgen`` command line: ``env`` (kernel report), ``build`` (compile the kernels ahead of time),
+``demo`` (the shipped grammar corrector, HF vs lightgen), ``serve`` (a model behind Triton or Ray Serve),
+``install-fairseq`` (the tested fairseq, for ``lightgen[fairseq]``), ``fairseq-plugin-dir`` (the folder for
+fairseq's ``--user-dir``), ``train-drafter`` (a GAD drafter distilled from a verifier) and ``build-cuda``
 (compile the CUDA kernels for chosen GPU architectures, with or without a GPU)."""
 
 from __future__ import annotations
 
+# Nothing heavy at module level: ``lightgen --help`` must not import torch (seconds of CPU). Each command
+# imports what it needs.
 import argparse
-import copy
 import re
 import subprocess
 import sys
 
-import torch
-
 
 def random_model_demo(layers: int, batch: int, src_len: int, new_tokens: int, repeats: int) -> None:
+    import copy
+
+    import torch
     import transformers as tf
 
     import lightgen
@@ -61,6 +64,28 @@ def install_fairseq() -> None:
                f"{FAIRSEQ_DISTRIBUTION}=={FAIRSEQ_RANGE[0]}"]
     print("+", " ".join(command), flush=True)
     subprocess.run(command, check=True)
+
+
+def build() -> None:
+    """Compile the kernels into the cache now (an image, a CI job), where every later process, and every
+    virtualenv with the same torch build, loads them without compiling."""
+    from lightgen import _build
+
+    status = _build.load()
+    for what, built in (("CPU", status), ("CUDA", status.cuda)):
+        if built is None:
+            continue
+        if not built.compiled:
+            raise SystemExit(f"lightgen: the {what} kernels are not available: {built.reason}")
+        print(f"lightgen: {what} kernels for {built.isa} {built.source} in {built.build_seconds:.1f} s: "
+              f"{built.library_path}")
+
+
+def fairseq_plugin_dir() -> None:
+    """Print the installed fairseq plugin's folder, for ``--user-dir "$(lightgen fairseq-plugin-dir)"``."""
+    from lightgen.integrations import FAIRSEQ_PLUGIN_DIR
+
+    print(FAIRSEQ_PLUGIN_DIR)
 
 
 def _compute_capability(value: str) -> str:
@@ -122,9 +147,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="lightgen", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("env", help="report versions, ISA and which ops are compiled")
+    commands.add_parser("build", help="compile the kernels into the cache now (for images and CI); later runs, "
+                        "in any virtualenv with the same torch build, load them without compiling")
     demo_parser = commands.add_parser(
         "demo", help="correct sentences with the shipped demo model: HF vs lightgen greedy, IAD and beam search")
-    demo_parser.add_argument("--sentences", type=int, default=24, help="held-out sentences added to the examples")
+    demo_parser.add_argument("--sentences", type=int, default=12, help="held-out sentences added to the examples")
     demo_parser.add_argument("--batch", type=int, default=1)
     demo_parser.add_argument("--repeats", type=int, default=3)
     demo_parser.add_argument("--short", action="store_true", help="4 held-out sentences, one timed repeat")
@@ -163,6 +190,8 @@ def main(argv=None) -> None:
     serve_parser.add_argument("--ray-address", help="ray: an existing cluster ('auto' on a node of it); "
                                                     "default: start a local one")
     commands.add_parser("install-fairseq", help="install the tested fairseq (after pip install 'lightgen[fairseq]')")
+    commands.add_parser("fairseq-plugin-dir", help="print the fairseq plugin's folder: fairseq-interactive ... "
+                        "--user-dir \"$(lightgen fairseq-plugin-dir)\" --task translation_lightgen")
     commands.add_parser("train-drafter", add_help=False,
                         help="distil a GAD drafter for a verifier (lightgen train-drafter --help)")
     cuda_parser = commands.add_parser("build-cuda", help="compile the CUDA kernels for given GPU architectures "
@@ -179,8 +208,12 @@ def main(argv=None) -> None:
         from lightgen.env import main as env_main
 
         env_main()
+    elif args.command == "build":
+        build()
     elif args.command == "install-fairseq":
         install_fairseq()
+    elif args.command == "fairseq-plugin-dir":
+        fairseq_plugin_dir()
     elif args.command == "train-drafter":
         from lightgen.drafter_cli import main as train_drafter_main
 

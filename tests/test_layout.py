@@ -10,7 +10,7 @@ PACKAGE = Path(lightgen.__file__).parent
 # Rooms that make up the library, lowest first; each may import only rooms listed before it (and itself).
 LIBRARY = ["_compat", "_build", "ops", "memory", "modules", "generation", "adapters"]
 # Applications on the library: they may import the library and each other, never the reverse.
-APPLICATIONS = {"__init__", "drafting", "drafter_cli", "env", "cli", "demo", "serving"}
+APPLICATIONS = {"__init__", "drafting", "drafter_cli", "env", "cli", "machine", "demo", "serving", "integrations"}
 # _build registers the ops' reference kernels when the extension cannot be built (its only upward import).
 ALLOWED_UPWARD = {("_build", "ops")}
 
