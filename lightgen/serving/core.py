@@ -113,7 +113,7 @@ def parse_settings(request: dict, limits: Limits, accelerated: bool, has_drafter
     errors = []
     unknown = sorted(set(request) - set(SETTINGS) - {"text", "input_ids"})
     if unknown:
-        errors.append(f"unknown setting(s) {_show(unknown, 200)}; known: text or input_ids, {', '.join(SETTINGS)}")
+        errors.append(f"unknown setting(s) {_show(unknown, 200)} (known: text or input_ids, {', '.join(SETTINGS)})")
     get = request.get
 
     def checked(name, check, *bounds, default=None):

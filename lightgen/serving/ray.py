@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -55,6 +56,7 @@ class LightgenDeployment:
         if self.options.ray_address is None:
             _bind_replica_rpc_to_loopback()
         self.generator = self.options.load_generator()
+        self.received = 0  # requests taken on POST /generate (answered or not yet)
         self.generate_batch.set_max_batch_size(self.options.max_batch_size)
         self.generate_batch.set_batch_wait_timeout_s(self.options.max_delay_ms / 1000)
 
@@ -75,7 +77,7 @@ class LightgenDeployment:
         if http.method == "GET" and path == "/health":
             return JSONResponse(self.generator.info())
         if http.method == "GET" and path == "/stats":  # each replica is its own process: pid names it
-            return JSONResponse(dict(self.generator.stats(), replica=os.getpid()))
+            return JSONResponse(dict(self.generator.stats(), replica=os.getpid(), received=self.received))
         if http.method != "POST" or path != "/generate":
             return JSONResponse({"error": f"no route {http.method} {path}; POST /generate, GET /health, "
                                           "GET /stats"}, status_code=404)
@@ -88,6 +90,7 @@ class LightgenDeployment:
             body = load_json(body, limits)
         except RequestError as error:
             return JSONResponse({"error": str(error)}, status_code=400)
+        self.received += len(body) if isinstance(body, list) else 1
         if isinstance(body, dict):
             answer = await self.generate_batch(body)
             return JSONResponse(answer, status_code=400 if "error" in answer else 200)
@@ -135,19 +138,13 @@ def build_app(args: dict):
 
 def _local_cluster_on_loopback() -> None:
     """Everything a local Ray instance starts (GCS, raylet, workers, agents, metrics) listens on 127.0.0.1
-    only, and with token authentication on."""
+    only."""
     from ray._private import ray_constants
 
     # Ray picks the node address from this flag, read when ray is imported (already done): set both. Off,
     # the node address is 127.0.0.1, and Ray's servers then bind it instead of every interface.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
-    # Ray >= 2.52 has token auth (2.60 turns it on for ray.init's local instance; say so whatever the
-    # version); RAY_AUTH_MODE=disabled set by the user is respected.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    if os.environ["RAY_AUTH_MODE"].lower() != "token":
-        LOG.warning("lightgen: RAY_AUTH_MODE=%s: Ray's control plane runs without token authentication",
-                    os.environ["RAY_AUTH_MODE"])
 
 
 def serve(options: ServeOptions) -> None:
@@ -163,9 +160,12 @@ def serve(options: ServeOptions) -> None:
     local = {} if options.ray_address else dict(_node_ip_address=LOOPBACK, dashboard_host=LOOPBACK)
     ray.init(address=options.ray_address, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": python_path}}, **local)
-    if options.ray_address and os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
-        LOG.warning("lightgen: the Ray cluster at %s runs without token authentication: whoever reaches its "
-                    "ports can run code on it (see Ray's security docs, RAY_AUTH_MODE=token)", options.ray_address)
+    # Ray 2.60 turns token authentication on for a local instance (RAY_AUTH_MODE=token, its token in
+    # ~/.ray/auth_token or RAY_AUTH_TOKEN), and on a cluster joined when it finds a token; never silently off.
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        print(f"lightgen: WARNING: the Ray cluster ({options.ray_address or 'local'}) runs without token "
+              "authentication: whoever reaches its ports can run code on it (RAY_AUTH_MODE=token; see Ray's "
+              "security docs)", file=sys.stderr, flush=True)
     # After ray.init, which installs its own SIGTERM handler (an abrupt exit that leaves Ray's agents running).
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
