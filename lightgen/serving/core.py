@@ -310,7 +310,7 @@ class Generator:
         with its traceback, and its batch-mates are answered."""
         try:
             return self._generate_all(requests)
-        except Exception:  # noqa: BLE001 - a bug here must still answer every request
+        except Exception:  # a bug here must still answer every request
             LOG.exception("lightgen: a batch of %d requests failed", len(requests))
             return [internal_error() for _ in requests]
 
@@ -323,7 +323,7 @@ class Generator:
             except RequestError as error:
                 answers[index] = {"error": str(error)}
                 continue
-            except Exception:  # noqa: BLE001 - e.g. the tokenizer failing on an input nobody foresaw
+            except Exception:  # e.g. the tokenizer failing on an input nobody foresaw
                 LOG.exception("lightgen: reading a request failed")
                 answers[index] = internal_error()
                 continue
@@ -341,7 +341,7 @@ class Generator:
         try:
             rows = self._generate([ids for _, ids in members], settings)
             answers = [self._answer(row) for row in rows]
-        except Exception as error:  # noqa: BLE001 - one failing request must not fail its batch-mates
+        except Exception as error:  # one failing request must not fail its batch-mates
             if len(members) > 1:
                 return [answer for member in members for answer in self._run_group(settings, [member])]
             LOG.exception("lightgen: generation failed for one request (%s)", settings)
@@ -422,7 +422,7 @@ def answer_json(generator: Generator, rows: list[bytes]) -> list[bytes]:
         for index, answer in zip(positions, generator.generate(requests), strict=True):
             answers[index] = answer
         return [json.dumps(answer).encode() for answer in answers]
-    except Exception:  # noqa: BLE001
+    except Exception:
         LOG.exception("lightgen: answering %d Triton rows failed", len(rows))
         return [json.dumps(internal_error()).encode() for _ in rows]
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import signal
 import sys
@@ -30,7 +29,6 @@ from starlette.responses import JSONResponse
 
 from lightgen.serving import ServeOptions
 from lightgen.serving.core import LOG, RequestError, check_batch, internal_error, load_json
-
 
 LOOPBACK = "127.0.0.1"
 
@@ -68,7 +66,7 @@ class LightgenDeployment:
     async def __call__(self, http: Request) -> JSONResponse:
         try:
             return await self._route(http)
-        except Exception:  # noqa: BLE001 - the client gets a short error, the log the traceback
+        except Exception:  # the client gets a short error, the log the traceback
             LOG.exception("lightgen: %s %s failed", http.method, http.url.path)
             return JSONResponse(internal_error(), status_code=500)
 

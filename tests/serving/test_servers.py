@@ -11,9 +11,9 @@ import importlib
 import json
 import os
 import random
-import statistics
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -325,7 +325,7 @@ def test_poison_requests_fail_alone_and_leak_no_traceback(server, direct):
             assert result["output_ids"] == answers[what["text"], 1], what
         else:
             assert _refused(server.backend, *result), (what, result[0], result[1][:2000])
-    status, text = _post(server, poison["lone surrogate"])
+    _, text = _post(server, poison["lone surrogate"])
     assert "not valid Unicode" in text and "surrogates not allowed" in text
     if server.backend == "ray":
         assert _post(server, poison["body over the cap"])[0] == 413
