@@ -403,7 +403,7 @@ def test_ray_drains_in_flight_requests_on_sigterm(direct):
     _require("ray")
     sentences, answers, _ = direct
     process = ServerProcess("ray", ["--max-new-tokens", str(MAX_NEW_TOKENS), "--max-batch-size", "4",
-                                    "--max-delay-ms", "20"])
+                                    "--max-delay-ms", "20", "--drain-timeout", "300"])  # a loaded CI machine
     in_flight = [{"text": text, "num_beams": 2} for text in sentences[:12]]  # three batches of four
     with process as client, concurrent.futures.ThreadPoolExecutor(max_workers=len(in_flight)) as pool:
         futures = [pool.submit(lambda r=r: client.generate([r])[0]) for r in in_flight]
