@@ -289,8 +289,8 @@ class Generator:
         except UnicodeEncodeError as error:  # a lone surrogate ("\ud800" in JSON): tokenizers raise TypeError
             return [f"'text' is not valid Unicode: {error.reason} (character {error.start})"]
         if size > limit:
-            return [f"'text' is {'over ' if len(text) > limit else ''}{size} bytes; this server takes at most {limit} "
-                    "(lightgen serve --max-text-bytes)"]
+            return [f"'text' is {'at least ' if len(text) > limit else ''}{size} bytes; this server takes at most "
+                    f"{limit} (lightgen serve --max-text-bytes)"]
         return []
 
     def _check_ids(self, ids) -> list[str]:
@@ -419,7 +419,7 @@ def answer_json(generator: Generator, rows: list[bytes]) -> list[bytes]:
                 positions.append(index)
             except RequestError as error:
                 answers[index] = {"error": str(error)}
-        for index, answer in zip(positions, generator.generate(requests), strict=True):
+        for index, answer in zip(positions, generator.generate(requests) if requests else [], strict=True):
             answers[index] = answer
         return [json.dumps(answer).encode() for answer in answers]
     except Exception:

@@ -79,7 +79,7 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(demo, generator):
     ({"text": "ok", "num_beams": 10**5000}, "got an integer of 16610 bits"),
     ({"text": "a \ud800"}, "'text' is not valid Unicode: surrogates not allowed (character 2)"),
     ({"text": "é" * 1500}, "'text' is 3000 bytes; this server takes at most 2048 (lightgen serve --max-text-bytes)"),
-    ({"text": "x" * 10**6}, "'text' is over 1000000 bytes; this server takes at most 2048"),
+    ({"text": "x" * 10**6}, "'text' is at least 1000000 bytes; this server takes at most 2048"),
     ({"input_ids": [5] * 10**5}, "input is 100000 tokens; this server takes at most 64"),
     ({"input_ids": [[[5]]]}, "'input_ids' must be a non-empty list of integers"),
     ({"text": "ok", "decoding": "beam"}, "'decoding' must be one of 'auto', 'iad', 'gad', got 'beam'"),

@@ -380,6 +380,7 @@ def test_soak_good_and_poison_requests_concurrently(server, direct):
     rss_growth = server.process.rss_bytes() - rss_before
     good = [(what, result, seconds) for kind, what, result, seconds in results if kind == "good" and result != "skipped"]
     bad = [(what, result) for kind, what, result, _ in results if kind == "poison" and result != "skipped"]
+    refusals = sorted(seconds for kind, _, result, seconds in results if kind == "poison" and result != "skipped")
     lost = [what for what, result, _ in good if not isinstance(result, dict) or "output_ids" not in result]
     wrong = [what for what, result, _ in good if isinstance(result, dict) and "output_ids" in result
              and result["output_ids"] != answers[what["text"], what.get("num_beams", 1)]]
@@ -388,7 +389,8 @@ def test_soak_good_and_poison_requests_concurrently(server, direct):
     print(f"\nsoak {server.backend}: {len(good) + len(bad)} of {SOAK_REQUESTS} requests sent ({len(bad)} poison), "
           f"good answered {len(good) - len(lost)}/{len(good)}, lost {len(lost)}, wrong {len(wrong)}, poison not "
           f"refused cleanly {len(leaked)}, p50 {statistics.median(latencies) * 1e3:.0f} ms, p99 "
-          f"{latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3:.0f} ms, RSS "
+          f"{latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3:.0f} ms (poison refused: p50 "
+          f"{statistics.median(refusals) * 1e3:.0f} ms, max {refusals[-1] * 1e3:.0f} ms), RSS "
           f"{rss_before / 2**20:.0f} MiB -> {(rss_before + rss_growth) / 2**20:.0f} MiB "
           f"({rss_growth / 2**20:+.0f} MiB)")
     assert len(good) >= SOAK_REQUESTS // 2, "the time bound cut the soak short"  # a signal, not a timing assert
