@@ -249,10 +249,33 @@ class Generator:
         with self.stats_lock:
             return dict(batch_sizes=dict(self.batch_sizes), group_sizes=dict(self.group_sizes))
 
+    def refusal(self, request) -> str | None:
+        """What is wrong with a request, as far as it can be told without tokenizing it (None: nothing); cheap
+        enough for a server to refuse at once instead of queueing the request for a batch."""
+        try:
+            self.check(request)
+        except RequestError as error:
+            return str(error)
+        return None
+
     def parse(self, request) -> tuple[list[int], Settings]:
         """A request's token ids and settings, or one RequestError listing what is wrong with it. The
         limits come before the work: the text is measured in bytes before it is tokenized, and a request
         whose settings are refused is not tokenized at all."""
+        settings = self.check(request)
+        ids = self.tokenizer(request["text"])["input_ids"] if "text" in request else request["input_ids"]
+        if len(ids) > self.limits.max_input_tokens:
+            raise RequestError(f"input is {len(ids)} tokens; this server takes at most "
+                               f"{self.limits.max_input_tokens}")
+        start = 1 if self.encoder_decoder else len(ids)
+        if start + settings.max_new_tokens > self.max_positions:
+            raise RequestError(f"max_new_tokens ({settings.max_new_tokens}) + {start} decoder tokens already there "
+                               f"exceed the model's {self.max_positions} positions")
+        return ids, settings
+
+    def check(self, request) -> Settings:
+        """The request's settings after every check that needs no tokenizer, or one RequestError listing
+        all that fail."""
         if not isinstance(request, dict):
             raise RequestError(f"a request is an object, got {type(request).__name__}")
         errors = []
@@ -268,15 +291,7 @@ class Generator:
             errors.append(str(error))
         if errors:
             raise RequestError("; ".join(errors))
-        ids = self.tokenizer(request["text"])["input_ids"] if "text" in request else request["input_ids"]
-        if len(ids) > self.limits.max_input_tokens:
-            raise RequestError(f"input is {len(ids)} tokens; this server takes at most "
-                               f"{self.limits.max_input_tokens}")
-        start = 1 if self.encoder_decoder else len(ids)
-        if start + settings.max_new_tokens > self.max_positions:
-            raise RequestError(f"max_new_tokens ({settings.max_new_tokens}) + {start} decoder tokens already there "
-                               f"exceed the model's {self.max_positions} positions")
-        return ids, settings
+        return settings
 
     def _check_text(self, text) -> list[str]:
         if self.tokenizer is None:

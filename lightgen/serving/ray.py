@@ -90,13 +90,18 @@ class LightgenDeployment:
             return JSONResponse({"error": str(error)}, status_code=400)
         self.received += len(body) if isinstance(body, list) else 1
         if isinstance(body, dict):
-            answer = await self.generate_batch(body)
+            answer = await self._answer(body)
             return JSONResponse(answer, status_code=400 if "error" in answer else 200)
         try:
             requests = check_batch(body, limits)
         except RequestError as error:
             return JSONResponse({"error": str(error)}, status_code=400)
-        return JSONResponse(list(await asyncio.gather(*map(self.generate_batch, requests))))
+        return JSONResponse(list(await asyncio.gather(*map(self._answer, requests))))
+
+    async def _answer(self, request) -> dict:
+        # A request refused on its face is answered now, without waiting its turn for a batch.
+        refusal = self.generator.refusal(request)
+        return {"error": refusal} if refusal else await self.generate_batch(request)
 
 
 async def _read_body(http: Request, limit: int) -> bytes | None:

@@ -135,6 +135,9 @@ def test_limits_refuse_before_tokenizing(generator):
     counting = generator.tokenizer = _CountingTokenizer(generator.tokenizer)
     answers = generator.generate([{"text": "x" * 5000}, {"text": "a \ud800"}, {"text": "ok", "num_beams": 0}])
     assert all("error" in answer for answer in answers) and counting.calls == 0
+    # What Ray's route asks before queueing a request for a batch: the same refusals, no tokenizer.
+    assert generator.refusal({"text": "a \ud800"}) == answers[1]["error"]
+    assert generator.refusal({"text": "ok"}) is None and counting.calls == 0
 
 
 @pytest.mark.parametrize("error", [TypeError("boom"), RecursionError(), KeyError("k"), MemoryError()])
