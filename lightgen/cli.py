@@ -117,18 +117,22 @@ def build_cuda(archs: list[str]) -> None:
 def serve(args, parser) -> None:
     from lightgen.serving import ServeOptions, backend
 
-    for name in ("max_batch_size", "num_replicas", "threads", "max_input_tokens", "max_new_tokens", "max_replicas"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be positive")
+    problems = [f"--{name.replace('_', '-')} must be positive"
+                for name in ("max_batch_size", "num_replicas", "threads", "max_input_tokens", "max_new_tokens",
+                             "max_replicas", "max_body_bytes", "max_text_bytes", "drain_timeout")
+                if getattr(args, name) is not None and getattr(args, name) <= 0]
     if args.max_replicas is not None and args.max_replicas < args.num_replicas:
-        parser.error("--max-replicas must be at least --num-replicas")
+        problems.append("--max-replicas must be at least --num-replicas")
+    if problems:  # all of them at once
+        parser.error("; ".join(problems))
     options = ServeOptions(
         model_dir=args.model_dir, drafter_dir=args.drafter, fairseq_data=args.fairseq_data,
         accelerate=not args.no_accelerate, threads=args.threads, host=args.host,
         port=args.port, max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
-        max_input_tokens=args.max_input_tokens, max_new_tokens=args.max_new_tokens, grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port, workspace=args.workspace, num_replicas=args.num_replicas,
-        max_replicas=args.max_replicas, ray_address=args.ray_address)
+        max_input_tokens=args.max_input_tokens, max_new_tokens=args.max_new_tokens, max_body_bytes=args.max_body_bytes,
+        max_text_bytes=args.max_text_bytes, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        workspace=args.workspace, num_replicas=args.num_replicas, max_replicas=args.max_replicas,
+        ray_address=args.ray_address, drain_timeout_s=args.drain_timeout)
     if args.export_repository:
         if args.backend != "triton":
             parser.error("--export-repository is for --backend triton")
@@ -179,6 +183,10 @@ def main(argv=None) -> None:
                               help="how long a batch's first request waits for batch-mates")
     serve_parser.add_argument("--max-input-tokens", type=int, help="default: the model's positions")
     serve_parser.add_argument("--max-new-tokens", type=int, help="cap and default per request (default 128)")
+    serve_parser.add_argument("--max-body-bytes", type=int, help="largest HTTP body (ray) or request row (triton) "
+                              "read; larger ones are refused before parsing (default 1 MiB)")
+    serve_parser.add_argument("--max-text-bytes", type=int, help="largest 'text' in UTF-8 bytes, refused before "
+                              "tokenizing (default 32 per --max-input-tokens)")
     serve_parser.add_argument("--grpc-port", type=int, help="triton: default port + 1")
     serve_parser.add_argument("--metrics-port", type=int, help="triton: default port + 2")
     serve_parser.add_argument("--workspace", help="triton: PyTriton's model store (removed at shutdown)")
@@ -188,7 +196,9 @@ def main(argv=None) -> None:
     serve_parser.add_argument("--max-replicas", type=int,
                               help="ray: autoscale between --num-replicas and this many replicas")
     serve_parser.add_argument("--ray-address", help="ray: an existing cluster ('auto' on a node of it); "
-                                                    "default: start a local one")
+                                                    "default: start a local one, on 127.0.0.1 only")
+    serve_parser.add_argument("--drain-timeout", type=float, default=30.0,
+                              help="ray: on SIGTERM, seconds in-flight requests may take to finish (default 30)")
     commands.add_parser("install-fairseq", help="install the tested fairseq (after pip install 'lightgen[fairseq]')")
     commands.add_parser("fairseq-plugin-dir", help="print the fairseq plugin's folder: fairseq-interactive ... "
                         "--user-dir \"$(lightgen fairseq-plugin-dir)\" --task translation_lightgen")
