@@ -41,23 +41,52 @@ struct Epilogue {
   }
 };
 
-// Panel p covers output columns [64 p, 64 p + 64): weight + p * panel_stride, k-th row at k * ld_w.
-template <typename W, Act act>
+// What panel_kernel reads: weights(p, col, k) = the float weight of output column 64 p + col at input k.
+template <typename W>
+struct PanelWeights {  // packed [P, K, 64] (panel_stride K * 64, ld_w 64) or Conv1D's [K, N] (64, row stride)
+  const W* w;
+  int64_t panel_stride, ld_w;
+  __device__ __forceinline__ float operator()(int64_t p, int col, int64_t k) const {
+    return widen(w[p * panel_stride + col + k * ld_w]);
+  }
+};
+
+// Group-wise quantized panels (the CPU op's format): int8 [P, K, 64] w = q * scale, or int4 as uint8
+// [P, ceil(K / 2), 64] (k = 2j low nibble, 2j + 1 high) w = u * scale + offset (none: -8 * scale).
+template <bool nibbles>
+struct GroupedWeights {
+  const void* w;
+  const float* scale;  // [P, G, 64]
+  const float* offset;  // [P, G, 64] or nullptr
+  int64_t panel_k, groups, group_size;
+  __device__ __forceinline__ float operator()(int64_t p, int col, int64_t k) const {
+    const int64_t g = (p * groups + k / group_size) * kPanel + col;
+    const float d = scale[g];
+    if constexpr (!nibbles) {
+      return static_cast<float>(static_cast<const int8_t*>(w)[(p * panel_k + k) * kPanel + col]) * d;
+    } else {
+      const uint8_t b = static_cast<const uint8_t*>(w)[(p * panel_k + k / 2) * kPanel + col];
+      return static_cast<float>((k & 1) ? (b >> 4) : (b & 15)) * d + (offset ? offset[g] : -8.f * d);
+    }
+  }
+};
+
+// Panel p covers output columns [64 p, 64 p + 64), read through ``weights``.
+template <typename Weights, Act act>
 __global__ void __launch_bounds__(kSlices * kPanel)
-    panel_kernel(const float* __restrict__ x, int64_t m, int64_t k_len, const W* __restrict__ w, int64_t panel_stride,
-                 int64_t ld_w, int64_t n, Epilogue epi, float* __restrict__ y) {
+    panel_kernel(const float* __restrict__ x, int64_t m, int64_t k_len, Weights weights, int64_t n, Epilogue epi,
+                 float* __restrict__ y) {
   __shared__ float partial[kSlices][kTileRows][kPanel];
   const int col = threadIdx.x % kPanel, slice = threadIdx.x / kPanel;
   const int64_t out_col = blockIdx.x * kPanel + col;
   const bool live = out_col < n;  // Conv1D's last panel may end inside the tile; packed ones are padded
-  const W* wp = w + blockIdx.x * panel_stride + col;
   for (int64_t row0 = blockIdx.y * kTileRows; row0 < m; row0 += static_cast<int64_t>(gridDim.y) * kTileRows) {
     const int rows = m - row0 < kTileRows ? static_cast<int>(m - row0) : kTileRows;
     const float* xr = x + row0 * k_len;
     float acc[kTileRows] = {};
     if (live) {
       for (int64_t k = slice; k < k_len; k += kSlices) {
-        const float wv = widen(wp[k * ld_w]);
+        const float wv = weights(blockIdx.x, col, k);
 #pragma unroll
         for (int r = 0; r < kTileRows; ++r)
           if (r < rows) acc[r] += xr[r * k_len + k] * wv;
@@ -76,6 +105,17 @@ __global__ void __launch_bounds__(kSlices * kPanel)
     }
     __syncthreads();  // partial is rewritten by the next row tile
   }
+}
+
+template <typename Weights>
+void launch_panels(Act act, const float* x, int64_t m, int64_t k_len, Weights weights, int64_t n, Epilogue epi,
+                   float* y) {
+  const unsigned grid_y = static_cast<unsigned>(std::min<int64_t>(ceil_div(m, kTileRows), kMaxGridY));
+  dispatch_act(act, [&](auto act_c) {
+    panel_kernel<Weights, LG_CONST(act_c)><<<dim3(ceil_div(n, kPanel), grid_y), kSlices * kPanel, 0,
+                                             c10::cuda::getCurrentCUDAStream()>>>(x, m, k_len, weights, n, epi, y);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 // W [N, K] row-major: warp `warp` of block b computes column b * kRowsWarps + warp.
@@ -117,21 +157,16 @@ enum class Layout { kRows, kKMajor, kPacked };  // [N, K] rows, Conv1D's [K, N],
 template <typename W>
 void launch_gemv(Layout layout, Act act, const float* x, int64_t m, int64_t k_len, const Tensor& weight, int64_t n,
                  Epilogue epi, float* y) {
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  const unsigned grid_y = static_cast<unsigned>(std::min<int64_t>(ceil_div(m, kTileRows), kMaxGridY));
   const W* w = weight.data_ptr<W>();
+  if (layout != Layout::kRows) {
+    const bool packed = layout == Layout::kPacked;
+    return launch_panels(act, x, m, k_len, PanelWeights<W>{w, packed ? k_len * kPanel : kPanel,
+                                                             packed ? kPanel : weight.stride(1)}, n, epi, y);
+  }
+  const unsigned grid_y = static_cast<unsigned>(std::min<int64_t>(ceil_div(m, kTileRows), kMaxGridY));
   dispatch_act(act, [&](auto act_c) {
-    constexpr Act A = LG_CONST(act_c);
-    if (layout == Layout::kRows) {
-      rows_kernel<W, A><<<dim3(ceil_div(n, kRowsWarps), grid_y), kRowsWarps * 32, 0, stream>>>(x, m, k_len, w, n,
-                                                                                               epi, y);
-    } else {
-      const bool packed = layout == Layout::kPacked;
-      const int64_t panel_stride = packed ? k_len * kPanel : kPanel;
-      const int64_t ld_w = packed ? kPanel : weight.stride(1);
-      panel_kernel<W, A><<<dim3(ceil_div(n, kPanel), grid_y), kSlices * kPanel, 0, stream>>>(
-          x, m, k_len, w, panel_stride, ld_w, n, epi, y);
-    }
+    rows_kernel<W, LG_CONST(act_c)><<<dim3(ceil_div(n, kRowsWarps), grid_y), kRowsWarps * 32, 0,
+                                      c10::cuda::getCurrentCUDAStream()>>>(x, m, k_len, w, n, epi, y);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -214,7 +249,73 @@ Tensor linear(const Tensor& x_in, const Tensor& weight_in, const c10::optional<T
   return y;
 }
 
+// x: [..., K] float32; weight / scale / offset: group-wise quantized panels as in the CPU op
+// (lightgen/csrc/cpu/linear.cpp, linear_grouped); bias: [out_features] float32.
+Tensor linear_grouped(const Tensor& x_in, const Tensor& weight_in, const Tensor& scale_in,
+                      const c10::optional<Tensor>& offset_in, const c10::optional<Tensor>& bias_in,
+                      c10::string_view act_name, int64_t out_features, int64_t group_size) {
+  constexpr const char* op = "lightgen.linear_grouped";
+  const Act act = parse_act(op, act_name);
+  LG_CHECK_CUDA(op, x_in);
+  LG_CHECK_CUDA(op, weight_in);
+  LG_CHECK_SAME_DEVICE(op, x_in, weight_in);
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, op, ": 'x' must be float32, got ", x_in.scalar_type());
+  const auto wtype = weight_in.scalar_type();
+  TORCH_CHECK(wtype == at::kChar || wtype == at::kByte, op,
+              ": 'weight' must be int8 or uint8 (two int4 values a byte), got ", wtype);
+  const bool nibbles = wtype == at::kByte;
+  TORCH_CHECK(x_in.dim() >= 1, op, ": 'x' must have an in_features dimension");
+  const int64_t k_len = x_in.size(-1), panel_k = nibbles ? (k_len + 1) / 2 : k_len;
+  TORCH_CHECK(weight_in.dim() == 3 && weight_in.size(1) == panel_k && weight_in.size(2) == kPanel, op,
+              ": 'weight' must be packed [panels, ", panel_k, ", ", kPanel, "] for in_features=", k_len, ", got ",
+              weight_in.sizes());
+  TORCH_CHECK(out_features > (weight_in.size(0) - 1) * kPanel && out_features <= weight_in.size(0) * kPanel, op,
+              ": packed weights need out_features in (", (weight_in.size(0) - 1) * kPanel, ", ",
+              weight_in.size(0) * kPanel, "], got ", out_features);
+  TORCH_CHECK(group_size >= 1 && (!nibbles || group_size % 2 == 0), op, ": group_size must be ",
+              nibbles ? "even and " : "", "positive, got ", group_size);
+  TORCH_CHECK(!offset_in.has_value() || nibbles, op, ": 'offset' (zero points) is for int4 weights only");
+  const int64_t n = out_features, groups = (k_len + group_size - 1) / group_size;
+  Tensor operands[3];  // scale, offset: [P, G, 64]; bias: [N]
+  for (int i = 0; i < 3; ++i) {
+    const Tensor* given = i == 0 ? &scale_in : i == 1 ? (offset_in ? &*offset_in : nullptr)
+                                                      : (bias_in ? &*bias_in : nullptr);
+    if (given == nullptr) continue;
+    const std::vector<int64_t> shape = i < 2 ? std::vector<int64_t>{weight_in.size(0), groups, kPanel}
+                                             : std::vector<int64_t>{n};
+    TORCH_CHECK(given->device() == x_in.device() && given->scalar_type() == at::kFloat &&
+                    given->sizes() == at::IntArrayRef(shape),
+                op, ": '", i == 0 ? "scale" : i == 1 ? "offset" : "bias", "' must be a float32 tensor of shape ",
+                at::IntArrayRef(shape), " on ", x_in.device(), ", got ", given->scalar_type(), " ", given->sizes(),
+                " on ", given->device());
+    operands[i] = given->contiguous();
+  }
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const Tensor weight = weight_in.contiguous(), x = x_in.contiguous();
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
+  Tensor y = at::empty(out_sizes, x.options());
+  const int64_t m = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
+  if (m == 0) return y;
+  const float* offset = operands[1].defined() ? operands[1].data_ptr<float>() : nullptr;
+  const Epilogue epi{nullptr, operands[2].defined() ? operands[2].data_ptr<float>() : nullptr};
+  const float* scale = operands[0].data_ptr<float>();
+  if (nibbles) {
+    launch_panels(act, x.data_ptr<float>(), m, k_len,
+                  GroupedWeights<true>{weight.data_ptr(), scale, offset, panel_k, groups, group_size}, n, epi,
+                  y.data_ptr<float>());
+  } else {
+    launch_panels(act, x.data_ptr<float>(), m, k_len,
+                  GroupedWeights<false>{weight.data_ptr(), scale, offset, panel_k, groups, group_size}, n, epi,
+                  y.data_ptr<float>());
+  }
+  return y;
+}
+
 }  // namespace
 }  // namespace lightgen
 
-TORCH_LIBRARY_IMPL(lightgen, CUDA, m) { m.impl("linear", &lightgen::linear); }
+TORCH_LIBRARY_IMPL(lightgen, CUDA, m) {
+  m.impl("linear", &lightgen::linear);
+  m.impl("linear_grouped", &lightgen::linear_grouped);
+}
