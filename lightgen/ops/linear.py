@@ -45,10 +45,10 @@ def quantize_grouped(weight: torch.Tensor, bits: int, group_size: int, zero_poin
                          f"zero_points={zero_points}")
     weight = weight.detach().float()
     out_features, in_features = weight.shape
-    groups = -(-in_features // group_size)
-    padded = weight.new_zeros(out_features, groups * group_size)
+    groups, span = -(-in_features // group_size), min(group_size, in_features)  # group_size >= K: one group
+    padded = weight.new_zeros(out_features, groups * span)
     padded[:, :in_features] = weight
-    blocks = padded.view(out_features, groups, group_size)
+    blocks = padded.view(out_features, groups, span)
     tiny = torch.finfo(torch.float32).tiny
     offset = None
     if bits == 8:
@@ -56,7 +56,7 @@ def quantize_grouped(weight: torch.Tensor, bits: int, group_size: int, zero_poin
         q = torch.round(blocks / scale[..., None]).clamp_(-127, 127).to(torch.int8)
     elif zero_points:
         # Padding zeros outside the weight must not widen the last group's range.
-        valid = (torch.arange(groups * group_size) < in_features).view(groups, group_size)
+        valid = (torch.arange(groups * span) < in_features).view(groups, span)
         low = torch.where(valid, blocks, torch.inf).amin(dim=2)
         high = torch.where(valid, blocks, -torch.inf).amax(dim=2)
         scale = ((high - low) / 15.0).clamp_min(tiny)
@@ -83,7 +83,7 @@ def dequantize_grouped(weight, scale, offset, group_size, in_features, out_featu
     q = q.float()
 
     def per_weight(per_group):
-        return unpack_panels(per_group, out_features).repeat_interleave(group_size, dim=1)[:, :in_features]
+        return unpack_panels(per_group, out_features).repeat_interleave(min(group_size, in_features), dim=1)[:, :in_features]
 
     if weight.dtype == torch.int8:
         return q * per_weight(scale)

@@ -113,3 +113,42 @@ def test_weights_loaded_after_patching_are_packed_again(quantize):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     else:
         assert _relative_error(got, expected) < MAX_RELATIVE_ERROR["int8"]
+
+
+def _next_token_kl(model, reference_log_probs, teacher, keep) -> float:
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(**teacher).logits[keep].double(), dim=-1)
+    return float((reference_log_probs.exp() * (reference_log_probs - log_probs)).sum(dim=-1).mean())
+
+
+@pytest.mark.slow  # ~15 s alone, over a minute on a loaded machine
+def test_group_scales_bring_trained_weights_closer_to_fp32(monkeypatch):
+    """On the trained demo model (teacher forcing on 64 held-out sentences), int8 with a scale per 64 inputs
+    is closer to fp32 than the per-output-channel int8 it replaces (measured: mean KL 1.07e-5 vs 1.67e-5; the
+    demo has few outlier weights, SmolLM2 gains far more: README), and int4 stays within 1e-2 (measured
+    2.2e-3); int8 greedy keeps the first 32 sentences (measured 32 of 32). Kernels sum in a fixed order, so
+    these numbers do not depend on the thread count."""
+    from lightgen.demo import generate_ids, held_out_pairs, load_demo_model
+    from lightgen.modules import linear as linear_module
+    from lightgen.modules.linear import QuantFormat
+
+    model, tokenizer = load_demo_model()
+    sources, references = held_out_pairs(64)
+    enc = tokenizer(sources, return_tensors="pt", padding=True)
+    labels = tokenizer(references, return_tensors="pt", padding=True).input_ids
+    keep = labels != tokenizer.pad_token_id
+    teacher = dict(input_ids=enc.input_ids, attention_mask=enc.attention_mask, labels=labels.masked_fill(~keep, -100))
+    with torch.no_grad():
+        reference = torch.log_softmax(model(**teacher).logits[keep].double(), dim=-1)
+    grouped = lightgen.accelerate_model(copy.deepcopy(model), quantize="int8")
+    int4 = lightgen.accelerate_model(copy.deepcopy(model), quantize="int4")
+    monkeypatch.setitem(linear_module.FORMATS, "int8", QuantFormat(8, 1 << 30))  # one group per row
+    per_channel = lightgen.accelerate_model(copy.deepcopy(model), quantize="int8")
+    assert per_channel.lm_head._lightgen_linear.scale.shape[1] == 1
+    grouped_kl, channel_kl = (_next_token_kl(m, reference, teacher, keep) for m in (grouped, per_channel))
+    assert 0 < grouped_kl < 0.8 * channel_kl
+    assert 0 < _next_token_kl(int4, reference, teacher, keep) < 1e-2
+    sources = sources[:32]
+    same = [a == b for a, b in zip(generate_ids(grouped, tokenizer, sources), generate_ids(model, tokenizer, sources),
+                                   strict=True)]
+    assert sum(same) >= 0.9 * len(same)
