@@ -5,8 +5,8 @@ The module's own weight always stays as it is (``state_dict``, training, prefill
 columns stored k after k, one sequential stream per thread (benchmarks/matmul.py, a BART-size
 step: 28 GB/s at batch 1, 86% of the measured bandwidth, against 26 GB/s on the [N, K] layout and
 11 GB/s for MKL; 1.5x faster than [N, K] at batch 8).
-The copy costs, per packed layer, +100% of its fp32 weight bytes (fp32), +50% (bf16), +28% (int8: 8 bits + a float scale per 64 weights), +19% (int4: 4 bits + a float
-scale and zero point per 32).
+The copy costs, per packed layer, +100% of its fp32 weight bytes (fp32), +50% (bf16), +28% (int8: 8 bits
++ a float scale per 32 weights), +19% (int4: 4 bits + a float scale and zero point per 32).
 ``pack=False`` keeps fp32 at zero extra memory and runs the kernels on the original layout (HF
 Conv1D's [K, N] weight is read as panels in place: fine in isolation, but 1.4x slower than packed in
 a GPT-2 decode step, where the strided rows miss DRAM pages).
@@ -33,8 +33,9 @@ class QuantFormat:
 
 
 # Chosen by benchmarks/quantize_quality.py on SmolLM2-135M and the demo model (README, "Quantization quality").
-FORMATS = {"int8": QuantFormat(8, 64), "int4": QuantFormat(4, 32, zero_points=True)}
+FORMATS = {"int8": QuantFormat(8, 32), "int4": QuantFormat(4, 32, zero_points=True)}
 PRECISIONS = ("int8", "int4", "bf16")
+HEAD_PRECISION = {"int4": "int8"}  # the LM head's precision where it differs from the other linears
 
 # Up to this many rows (batch x beams x new tokens) the fp32 kernels beat ATen/MKL, per layer shape
 # (512x512 .. 32000x512, 2048x512, 768x3072) on 2-core Zen 4, AVX-512: packed panels 1.05-1.5x at

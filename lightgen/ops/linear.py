@@ -83,7 +83,8 @@ def dequantize_grouped(weight, scale, offset, group_size, in_features, out_featu
     q = q.float()
 
     def per_weight(per_group):
-        return unpack_panels(per_group, out_features).repeat_interleave(min(group_size, in_features), dim=1)[:, :in_features]
+        span = min(group_size, in_features)
+        return unpack_panels(per_group, out_features).repeat_interleave(span, dim=1)[:, :in_features]
 
     if weight.dtype == torch.int8:
         return q * per_weight(scale)

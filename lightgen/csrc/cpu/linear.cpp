@@ -453,57 +453,22 @@ Tensor linear(const Tensor& x_in, const Tensor& weight_in, const c10::optional<T
 // x: [..., K] float32. weight: group-wise quantized panels, int8 [P, K, 64] or int4 as uint8 [P, ceil(K / 2), 64]
 // (two k per byte), P = ceil(out_features / 64). scale: float32 [P, G, 64], G = ceil(K / group_size).
 // offset: float32 [P, G, 64] (int4 with zero points) or None. bias: [out_features] float32.
-Tensor linear_grouped(const Tensor& x_in, const Tensor& weight, const Tensor& scale_in,
-                      const c10::optional<Tensor>& offset_in, const c10::optional<Tensor>& bias_in,
+Tensor linear_grouped(const Tensor& x_in, const Tensor& weight, const Tensor& scale,
+                      const c10::optional<Tensor>& offset, const c10::optional<Tensor>& bias,
                       c10::string_view act_name, int64_t out_features, int64_t group_size) {
   constexpr const char* op = "lightgen.linear_grouped";
   const Act act = parse_act(op, act_name);
   LG_CHECK_CPU(op, x_in);
-  LG_CHECK_CPU(op, weight);
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat, op, ": 'x' must be float32, got ", x_in.scalar_type());
-  const auto wtype = weight.scalar_type();
-  TORCH_CHECK(wtype == at::kChar || wtype == at::kByte, op,
-              ": 'weight' must be int8 or uint8 (two int4 values a byte), got ", wtype);
-  const bool nibbles = wtype == at::kByte;
-  TORCH_CHECK(x_in.dim() >= 1, op, ": 'x' must have an in_features dimension");
-  const int64_t k_len = x_in.size(-1), panel_k = nibbles ? (k_len + 1) / 2 : k_len;
-  TORCH_CHECK(weight.dim() == 3 && weight.size(1) == panel_k && weight.size(2) == kPanel, op,
-              ": 'weight' must be packed [panels, ", panel_k, ", ", kPanel, "] for in_features=", k_len, ", got ",
-              weight.sizes());
-  TORCH_CHECK(out_features > (weight.size(0) - 1) * kPanel && out_features <= weight.size(0) * kPanel, op,
-              ": packed weights need out_features in (", (weight.size(0) - 1) * kPanel, ", ",
-              weight.size(0) * kPanel, "], got ", out_features);
-  TORCH_CHECK(group_size >= 1 && (!nibbles || group_size % 2 == 0), op, ": group_size must be ",
-              nibbles ? "even and " : "", "positive, got ", group_size);
-  TORCH_CHECK(!offset_in.has_value() || nibbles, op, ": 'offset' (zero points) is for int4 weights only");
-  const int64_t n = out_features, groups = (k_len + group_size - 1) / group_size;
-  Tensor scale, offset, bias;
-  for (auto [given, kept, name] : {std::tuple{&scale_in, &scale, "scale"},
-                                   std::tuple{offset_in.has_value() ? &offset_in.value() : nullptr, &offset, "offset"}}) {
-    if (given == nullptr) continue;
-    TORCH_CHECK(given->device().is_cpu() && given->scalar_type() == at::kFloat &&
-                    given->sizes() == at::IntArrayRef({weight.size(0), groups, kPanel}),
-                op, ": '", name, "' must be a float32 CPU tensor of shape [", weight.size(0), ", ", groups, ", ", kPanel,
-                "], got ", given->scalar_type(), " ", given->sizes());
-    *kept = given->contiguous();
-  }
-  if (bias_in.has_value()) {
-    const Tensor& t = bias_in.value();
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == n, op,
-                ": 'bias' must be a float32 CPU tensor of shape [", n, "], got ", t.scalar_type(), " ", t.sizes());
-    bias = t.contiguous();
-  }
-  Tensor w = weight.contiguous(), x = x_in.contiguous();
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = n;
-  Tensor y = at::empty(out_sizes, x.options());
-  const int64_t m = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
+  const GroupedLinear g = check_grouped_linear(op, x_in, weight, scale, offset, bias, out_features, group_size, kPanel);
+  auto out_sizes = g.x.sizes().vec();
+  out_sizes.back() = out_features;
+  Tensor y = at::empty(out_sizes, g.x.options());
+  const int64_t m = c10::multiply_integers(g.x.sizes().slice(0, g.x.dim() - 1));
   if (m == 0) return y;
-  const float* op_offset = offset.defined() ? offset.data_ptr<float>() : nullptr;
-  const float* op_bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  auto run = nibbles ? &linear_rows_grouped<true> : &linear_rows_grouped<false>;
-  run(x.data_ptr<float>(), m, k_len, w.data_ptr(), n, group_size, scale.data_ptr<float>(), op_offset, op_bias, act,
-      y.data_ptr<float>());
+  auto run = g.nibbles ? &linear_rows_grouped<true> : &linear_rows_grouped<false>;
+  run(g.x.data_ptr<float>(), m, g.k_len, g.weight.data_ptr(), out_features, group_size, g.scale.data_ptr<float>(),
+      g.offset.defined() ? g.offset.data_ptr<float>() : nullptr, g.bias.defined() ? g.bias.data_ptr<float>() : nullptr,
+      act, y.data_ptr<float>());
   return y;
 }
 

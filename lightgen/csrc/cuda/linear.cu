@@ -251,63 +251,29 @@ Tensor linear(const Tensor& x_in, const Tensor& weight_in, const c10::optional<T
 
 // x: [..., K] float32; weight / scale / offset: group-wise quantized panels as in the CPU op
 // (lightgen/csrc/cpu/linear.cpp, linear_grouped); bias: [out_features] float32.
-Tensor linear_grouped(const Tensor& x_in, const Tensor& weight_in, const Tensor& scale_in,
-                      const c10::optional<Tensor>& offset_in, const c10::optional<Tensor>& bias_in,
+Tensor linear_grouped(const Tensor& x_in, const Tensor& weight, const Tensor& scale,
+                      const c10::optional<Tensor>& offset, const c10::optional<Tensor>& bias,
                       c10::string_view act_name, int64_t out_features, int64_t group_size) {
   constexpr const char* op = "lightgen.linear_grouped";
   const Act act = parse_act(op, act_name);
   LG_CHECK_CUDA(op, x_in);
-  LG_CHECK_CUDA(op, weight_in);
-  LG_CHECK_SAME_DEVICE(op, x_in, weight_in);
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat, op, ": 'x' must be float32, got ", x_in.scalar_type());
-  const auto wtype = weight_in.scalar_type();
-  TORCH_CHECK(wtype == at::kChar || wtype == at::kByte, op,
-              ": 'weight' must be int8 or uint8 (two int4 values a byte), got ", wtype);
-  const bool nibbles = wtype == at::kByte;
-  TORCH_CHECK(x_in.dim() >= 1, op, ": 'x' must have an in_features dimension");
-  const int64_t k_len = x_in.size(-1), panel_k = nibbles ? (k_len + 1) / 2 : k_len;
-  TORCH_CHECK(weight_in.dim() == 3 && weight_in.size(1) == panel_k && weight_in.size(2) == kPanel, op,
-              ": 'weight' must be packed [panels, ", panel_k, ", ", kPanel, "] for in_features=", k_len, ", got ",
-              weight_in.sizes());
-  TORCH_CHECK(out_features > (weight_in.size(0) - 1) * kPanel && out_features <= weight_in.size(0) * kPanel, op,
-              ": packed weights need out_features in (", (weight_in.size(0) - 1) * kPanel, ", ",
-              weight_in.size(0) * kPanel, "], got ", out_features);
-  TORCH_CHECK(group_size >= 1 && (!nibbles || group_size % 2 == 0), op, ": group_size must be ",
-              nibbles ? "even and " : "", "positive, got ", group_size);
-  TORCH_CHECK(!offset_in.has_value() || nibbles, op, ": 'offset' (zero points) is for int4 weights only");
-  const int64_t n = out_features, groups = (k_len + group_size - 1) / group_size;
-  Tensor operands[3];  // scale, offset: [P, G, 64]; bias: [N]
-  for (int i = 0; i < 3; ++i) {
-    const Tensor* given = i == 0 ? &scale_in : i == 1 ? (offset_in ? &*offset_in : nullptr)
-                                                      : (bias_in ? &*bias_in : nullptr);
-    if (given == nullptr) continue;
-    const std::vector<int64_t> shape = i < 2 ? std::vector<int64_t>{weight_in.size(0), groups, kPanel}
-                                             : std::vector<int64_t>{n};
-    TORCH_CHECK(given->device() == x_in.device() && given->scalar_type() == at::kFloat &&
-                    given->sizes() == at::IntArrayRef(shape),
-                op, ": '", i == 0 ? "scale" : i == 1 ? "offset" : "bias", "' must be a float32 tensor of shape ",
-                at::IntArrayRef(shape), " on ", x_in.device(), ", got ", given->scalar_type(), " ", given->sizes(),
-                " on ", given->device());
-    operands[i] = given->contiguous();
-  }
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const Tensor weight = weight_in.contiguous(), x = x_in.contiguous();
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = n;
-  Tensor y = at::empty(out_sizes, x.options());
-  const int64_t m = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
+  const GroupedLinear g = check_grouped_linear(op, x_in, weight, scale, offset, bias, out_features, group_size, kPanel);
+  auto out_sizes = g.x.sizes().vec();
+  out_sizes.back() = out_features;
+  Tensor y = at::empty(out_sizes, g.x.options());
+  const int64_t m = c10::multiply_integers(g.x.sizes().slice(0, g.x.dim() - 1));
   if (m == 0) return y;
-  const float* offset = operands[1].defined() ? operands[1].data_ptr<float>() : nullptr;
-  const Epilogue epi{nullptr, operands[2].defined() ? operands[2].data_ptr<float>() : nullptr};
-  const float* scale = operands[0].data_ptr<float>();
-  if (nibbles) {
-    launch_panels(act, x.data_ptr<float>(), m, k_len,
-                  GroupedWeights<true>{weight.data_ptr(), scale, offset, panel_k, groups, group_size}, n, epi,
-                  y.data_ptr<float>());
+  const float* offsets = g.offset.defined() ? g.offset.data_ptr<float>() : nullptr;
+  const Epilogue epi{nullptr, g.bias.defined() ? g.bias.data_ptr<float>() : nullptr};
+  if (g.nibbles) {
+    launch_panels(act, g.x.data_ptr<float>(), m, g.k_len,
+                  GroupedWeights<true>{g.weight.data_ptr(), g.scale.data_ptr<float>(), offsets, g.panel_k, g.groups,
+                                       group_size}, out_features, epi, y.data_ptr<float>());
   } else {
-    launch_panels(act, x.data_ptr<float>(), m, k_len,
-                  GroupedWeights<false>{weight.data_ptr(), scale, offset, panel_k, groups, group_size}, n, epi,
-                  y.data_ptr<float>());
+    launch_panels(act, g.x.data_ptr<float>(), m, g.k_len,
+                  GroupedWeights<false>{g.weight.data_ptr(), g.scale.data_ptr<float>(), offsets, g.panel_k, g.groups,
+                                        group_size}, out_features, epi, y.data_ptr<float>());
   }
   return y;
 }
