@@ -153,3 +153,12 @@ def test_group_scales_bring_trained_weights_closer_to_fp32(monkeypatch):
     same = [a == b for a, b in zip(generate_ids(grouped, tokenizer, sources), generate_ids(model, tokenizer, sources),
                                    strict=True)]
     assert sum(same) >= 0.9 * len(same)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # nn.Linear head, and a head tied to Conv1D blocks
+def test_int4_keeps_the_lm_head_at_int8(family):
+    model = lightgen.accelerate_model(build(family, seed=5), quantize="int4")
+    head = model.get_output_embeddings()
+    kinds = {m._lightgen_linear.weight.dtype for m in model.modules() if "_lightgen_linear" in vars(m) and m is not head}
+    assert head._lightgen_linear.weight.dtype == torch.int8 and head._lightgen_linear.precision == "int8"
+    assert kinds == {torch.uint8}
