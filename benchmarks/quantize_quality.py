@@ -163,55 +163,45 @@ def ms_per_token(model, batch) -> float:
     return (run(17) - run(1)) / 16 * 1e3
 
 
-def measure_smollm2(labels, quick: bool) -> list[dict]:
-    model, tokenizer = load_smollm2()
-    batches, corpus = smollm2_inputs(tokenizer, quick)
-    expected = smollm2_greedy(model, tokenizer, batches)
+def sweep(name: str, model, labels, greedy, teacher_logits, timing=None) -> list[dict]:
+    """One row per precision: ``greedy(model)`` outputs and ``teacher_logits(model)`` against fp32 HF's."""
+    expected = greedy(model)
     with torch.no_grad():
-        reference_logits = model(input_ids=corpus).logits
+        reference_logits = teacher_logits(model)
     rows = []
     for label in labels:
         fast = accelerated(model, label)
-        outputs = smollm2_greedy(fast, tokenizer, batches)
+        outputs = greedy(fast)
         if label == "fp32" and outputs != expected:
-            sys.exit("lightgen fp32 greedy differs from HF fp32 on SmolLM2")
+            sys.exit(f"lightgen fp32 greedy differs from HF fp32 on {name}")
         identical, tokens = token_agreement(outputs, expected)
         with torch.no_grad():
-            kl, top1 = kl_and_top1(reference_logits, fast(input_ids=corpus).logits)
-        rows.append({"model": "SmolLM2-135M", "precision": label, "tokens_equal_fp32": tokens,
-                     "outputs_identical": identical, "outputs": len(expected), "kl": kl, "top1": top1,
-                     "linear_mb": linear_megabytes(fast), "ms_per_token_b1": ms_per_token(fast, batches[0])})
+            kl, top1 = kl_and_top1(reference_logits, teacher_logits(fast))
+        rows.append({"model": name, "precision": label, "tokens_equal_fp32": tokens, "outputs_identical": identical,
+                     "outputs": len(expected), "kl": kl, "top1": top1, "linear_mb": linear_megabytes(fast),
+                     "ms_per_token_b1": timing(fast) if timing else math.nan})
         print(_row(rows[-1]), flush=True)
         del fast
     return rows
+
+
+def measure_smollm2(labels, quick: bool) -> list[dict]:
+    model, tokenizer = load_smollm2()
+    batches, corpus = smollm2_inputs(tokenizer, quick)
+    return sweep("SmolLM2-135M", model, labels, lambda m: smollm2_greedy(m, tokenizer, batches),
+                 lambda m: m(input_ids=corpus).logits, lambda m: ms_per_token(m, batches[0]))
 
 
 def measure_demo(labels, quick: bool) -> list[dict]:
     model, tokenizer = load_demo_model()
     sources, references = held_out_pairs(40 if quick else 200)
-    expected = generate_ids(model, tokenizer, sources)
     enc = tokenizer(sources, return_tensors="pt", padding=True)
     labels_ids = tokenizer(references, return_tensors="pt", padding=True).input_ids
     keep = labels_ids != tokenizer.pad_token_id
-    teacher = dict(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
-                   labels=labels_ids.masked_fill(~keep, -100))
-    with torch.no_grad():
-        reference_logits = model(**teacher).logits[keep]
-    rows = []
-    for label in labels:
-        fast = accelerated(model, label)
-        outputs = generate_ids(fast, tokenizer, sources)
-        if label == "fp32" and outputs != expected:
-            sys.exit("lightgen fp32 greedy differs from HF fp32 on the demo model")
-        identical, tokens = token_agreement(outputs, expected)
-        with torch.no_grad():
-            kl, top1 = kl_and_top1(reference_logits, fast(**teacher).logits[keep])
-        rows.append({"model": "demo (BART)", "precision": label, "tokens_equal_fp32": tokens,
-                     "outputs_identical": identical, "outputs": len(expected), "kl": kl, "top1": top1,
-                     "linear_mb": linear_megabytes(fast), "ms_per_token_b1": math.nan})
-        print(_row(rows[-1]), flush=True)
-        del fast
-    return rows
+    teacher = {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask,
+               "labels": labels_ids.masked_fill(~keep, -100)}
+    return sweep("demo (BART)", model, labels, lambda m: generate_ids(m, tokenizer, sources),
+                 lambda m: m(**teacher).logits[keep])
 
 
 HEADER = ("| model | precision | tokens = fp32 (greedy) | outputs identical | mean KL (teacher forcing) | "
