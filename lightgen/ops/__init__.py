@@ -10,7 +10,7 @@ from lightgen.ops.activation import ACTIVATIONS, bias_act, bias_act_ref, gated_a
 from lightgen.ops.attention import attention, attention_ref
 from lightgen.ops.beam import beam_topk, beam_topk_ref, greedy_tokens
 from lightgen.ops.embedding import embedding, embedding_ref
-from lightgen.ops.linear import linear, linear_ref
+from lightgen.ops.linear import linear, linear_grouped, linear_grouped_ref, linear_ref
 from lightgen.ops.norm import (
     add_layer_norm,
     add_layer_norm_ref,
@@ -41,6 +41,7 @@ __all__ = [
     "attention",
     "embedding",
     "linear",
+    "linear_grouped",
     "beam_topk",
     "greedy_tokens",
     "layer_norm_ref",
@@ -52,5 +53,6 @@ __all__ = [
     "attention_ref",
     "embedding_ref",
     "linear_ref",
+    "linear_grouped_ref",
     "beam_topk_ref",
 ]
