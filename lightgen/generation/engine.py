@@ -445,8 +445,20 @@ def _r_top_k_continuations(model, log_probs, running_beam_scores, running_sequen
     R-top-k kernel, which returns the same candidates in the same order."""
     batch_size, num_beams = running_beam_scores.shape
     vocab_size = log_probs.shape[-1]
-    topk_log_probs, topk_indices, _ = ops.beam_topk(log_probs, running_beam_scores.reshape(-1), num_beams,
-                                                    beams_to_keep, apply_log_softmax)
+    try:
+        topk_log_probs, topk_indices, _ = ops.beam_topk(log_probs, running_beam_scores.reshape(-1), num_beams,
+                                                        beams_to_keep, apply_log_softmax)
+    except RuntimeError as error:
+        if "NaN or +inf" not in str(error):
+            raise
+        # The kernel refuses NaN and +inf (NaN weights, a processor writing +inf); HF's composite ranks them.
+        if apply_log_softmax:
+            log_probs = nn.functional.log_softmax(log_probs, dim=-1)
+        accumulated = log_probs.view(batch_size, num_beams, vocab_size) + running_beam_scores[:, :, None]
+        return model._get_top_k_continuations(
+            accumulated_log_probs=accumulated.reshape(batch_size, -1), running_sequences=running_sequences,
+            running_beam_indices=running_beam_indices, cur_len=cur_len, decoder_prompt_len=decoder_prompt_len,
+            do_sample=False, beams_to_keep=beams_to_keep, num_beams=num_beams, batch_size=batch_size)
     topk_current_beam_indices = topk_indices // vocab_size
     topk_running_beam_indices = model._gather_beams(running_beam_indices, topk_current_beam_indices)
     topk_running_sequences = model._gather_beams(running_sequences, topk_current_beam_indices)
