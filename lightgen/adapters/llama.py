@@ -60,8 +60,7 @@ def llama_decoder(model) -> Decoder | None:
         for layer in body.layers
     )
     return Decoder(DecoderSpec(block=_block_spec(config), layers=layers, token_embedding=body.embed_tokens.weight,
-                               lm_head=model.lm_head, max_positions=config.max_position_embeddings,
-                               rotary=body.rotary_emb, apply_rotary=attention_module.apply_rotary_pos_emb,
+                               lm_head=model.lm_head, rotary=body.rotary_emb, apply_rotary=attention_module.apply_rotary_pos_emb,
                                final_norm=body.norm))
 
 

@@ -112,9 +112,9 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
                                 max_draft=block_size if decoding == "gad" else max_draft or DraftBudget())
     original = type(model).generate
     input_ids = inputs if inputs is not None else kwargs.get("input_ids")
-    if isinstance(input_ids, torch.Tensor) and (input_ids.dim() != 2 or input_ids.shape[0] == 0):
-        raise ValueError(f"lightgen generate: input_ids must be a non-empty [batch, length] tensor, got shape "
-                         f"{tuple(input_ids.shape)}")
+    if isinstance(input_ids, torch.Tensor) and (input_ids.dim() != 2 or 0 in input_ids.shape):
+        raise ValueError(f"lightgen generate: input_ids must be a non-empty [batch, length] tensor (at least one "
+                         f"row and one token), got shape {tuple(input_ids.shape)}")
     for name in HF_ONLY_ARGUMENTS:
         value = kwargs.get(name)
         if value is not None and value is not False:
@@ -130,6 +130,10 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
             model.get_submodule(hooked)) else "forward hooks"
         _fall_back(f"module '{hooked or type(model).__name__}' carries {kind}")
         return original(model, inputs, generation_config, **kwargs)
+    dropout = _active_dropout(model)
+    if dropout is not None:  # HF's loop applies it; lightgen's decoder runs inference only
+        _fall_back(f"module '{dropout}' applies dropout in train() mode (call model.eval() for lightgen's engine)")
+        return original(model, inputs, generation_config, **kwargs)
     decode = functools.partial(lightgen_decode, aggressive=aggressive)
     _deferred.pending = True
     try:
@@ -138,6 +142,23 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     finally:
         _deferred.pending = False
         _deferred.call = None
+
+
+_DROPOUT_ATTRIBUTES = ("dropout", "attention_dropout", "activation_dropout", "layerdrop")
+
+
+def _active_dropout(model: nn.Module) -> str | None:
+    """The first module in train() mode with a nonzero dropout (nn.Dropout, or the float rates HF's modules
+    pass to F.dropout), or None."""
+    for name, module in model.named_modules():
+        if not module.training:
+            continue
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            if module.p > 0:
+                return name or type(model).__name__
+        elif any(isinstance(rate, float) and rate > 0 for rate in map(vars(module).get, _DROPOUT_ATTRIBUTES)):
+            return name or type(model).__name__
+    return None
 
 
 # HF's generate builds its KV cache object before it hands over to lightgen's loop, which never reads it;
@@ -449,7 +470,7 @@ def _r_top_k_continuations(model, log_probs, running_beam_scores, running_sequen
         topk_log_probs, topk_indices, _ = ops.beam_topk(log_probs, running_beam_scores.reshape(-1), num_beams,
                                                         beams_to_keep, apply_log_softmax)
     except RuntimeError as error:
-        if "NaN or +inf" not in str(error):
+        if not ops.refuses_non_finite(error):
             raise
         # The kernel refuses NaN and +inf (NaN weights, a processor writing +inf); HF's composite ranks them.
         if apply_log_softmax:

@@ -36,10 +36,17 @@ def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
     try:
         _, tokens, _ = beam_topk(scores.reshape(-1, scores.shape[-1]), None, 1, 1, False, stable=True)
     except RuntimeError as error:
-        if "NaN or +inf" not in str(error):
+        if not refuses_non_finite(error):
             raise
         return scores.argmax(-1)
     return tokens.view(scores.shape[:-1])
+
+
+def refuses_non_finite(error: RuntimeError) -> bool:
+    """Whether ``error`` is beam_topk refusing NaN or +inf scores or beam scores (callers that must rank them
+    as torch does take the composite instead)."""
+    message = str(error)
+    return "NaN or +inf" in message or ("'beam_scores' row" in message and "finished beams take" in message)
 
 
 def _candidates(scores, beam_scores, log_softmax):
