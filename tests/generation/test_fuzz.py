@@ -276,3 +276,12 @@ def test_fuzz():
 @pytest.mark.parametrize("seed", sorted(REGRESSIONS), ids=lambda s: f"{s}-{REGRESSIONS[s]}")
 def test_fuzz_regressions(seed):
     run_case(seed)
+
+
+# Found on the fixed code (base seed 4, 1 of 155 cases), not fixed yet: BART beam 5 with bad_words_ids
+# [[10, 11]]; at step 8 two running beams of one sentence with near-equal scores come out in the other
+# order (their `scores` rows swap where the ban hits), while sequences, sequences_scores and beam_indices
+# are HF's. fp32 logits that differ from HF's in the last bits can reorder such near-ties.
+@pytest.mark.xfail(strict=True, reason="near-tie beam order from last-bit logit differences (issue 18 follow-up)")
+def test_fuzz_known_divergence_near_tie_beam_order():
+    run_case(400022)
