@@ -58,16 +58,20 @@ def _attention(attn) -> AttentionWeights:
 
 
 def bart_decoder(model) -> Decoder | None:
-    """The static-cache decoder step for a *ForConditionalGeneration model (None without an LM head)."""
+    """The static-cache decoder step for a *ForConditionalGeneration or *ForCausalLM model (None without an LM
+    head)."""
     if not hasattr(model, "lm_head") or not hasattr(model, "get_decoder"):
         return None
     decoder = model.get_decoder()
     embed_tokens = decoder.embed_tokens
     scale = embed_tokens.embed_scale if hasattr(embed_tokens, "embed_scale") else decoder.embed_scale
+    # BartForCausalLM's layers carry cross-attention too, which HF skips without encoder states.
+    crossed = model.config.is_encoder_decoder
     layers = tuple(
         DecoderLayerWeights(self_attn=_attention(layer.self_attn), self_norm=layer.self_attn_layer_norm,
                             ffn_owner=layer, ffn_norm=layer.final_layer_norm,
-                            cross_attn=_attention(layer.encoder_attn), cross_norm=layer.encoder_attn_layer_norm)
+                            cross_attn=_attention(layer.encoder_attn) if crossed else None,
+                            cross_norm=layer.encoder_attn_layer_norm if crossed else None)
         for layer in decoder.layers
     )
     return Decoder(DecoderSpec(

@@ -49,7 +49,7 @@ def gpt_neox_decoder(model) -> Decoder | None:
     )
     family = sys.modules[type(body.layers[0].attention).__module__]
     return Decoder(DecoderSpec(block=_block_spec(config), layers=layers, token_embedding=body.embed_in.weight,
-                               lm_head=model.lm_head, max_positions=config.max_position_embeddings,
+                               lm_head=model.lm_head,
                                rotary=body.rotary_emb, apply_rotary=family.apply_rotary_pos_emb,
                                final_norm=body.final_layer_norm))
 

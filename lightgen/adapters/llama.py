@@ -88,7 +88,7 @@ def rotary_decoder(model, spec: BlockSpec, *, sandwich: bool = False, attention_
         for index, layer in enumerate(body.layers)
     )
     return Decoder(DecoderSpec(block=spec, layers=layers, token_embedding=body.embed_tokens.weight,
-                               lm_head=model.lm_head, max_positions=config.max_position_embeddings,
+                               lm_head=model.lm_head,
                                rotary=body.rotary_emb, apply_rotary=family.apply_rotary_pos_emb,
                                final_norm=body.norm, **spec_fields))
 

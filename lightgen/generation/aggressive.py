@@ -152,8 +152,9 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
     outputs = [row.tolist() for row in input_ids]  # full sequences so far, per row
     live = list(range(rows))  # original row index of each row still decoding
     gained = [[] for _ in range(rows)]
+    vocab = decoder.spec.token_embedding.shape[0]
     if prompt_len == 1:  # a lone start token (encoder-decoder): the first pass already verifies a draft
-        drafts = _draft(drafter, live, outputs, max_length, max_draft)
+        drafts = _draft(drafter, live, outputs, max_length, max_draft, vocab)
         logits, best, draft_tensor = _verify(decoder, state, outputs, live, drafts, pad_token_id, input_ids.dtype,
                                              acceptance)
     else:
@@ -186,13 +187,13 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
             keep = [slot for slot in range(len(live)) if slot not in finished]
             state.keep_rows(torch.tensor(keep, device=device))
             live = [live[slot] for slot in keep]
-        drafts = _draft(drafter, live, outputs, max_length, max_draft)
+        drafts = _draft(drafter, live, outputs, max_length, max_draft, vocab)
         logits, best, draft_tensor = _verify(decoder, state, outputs, live, drafts, pad_token_id, input_ids.dtype,
                                              acceptance)
     return pad_rows(outputs, pad_token_id, device).to(input_ids.dtype), gained
 
 
-def _draft(drafter, live, outputs, max_length, max_draft) -> list[list[int]]:
+def _draft(drafter, live, outputs, max_length, max_draft, vocab: int) -> list[list[int]]:
     if isinstance(max_draft, DraftBudget):
         max_draft = max_draft.per_row(len(live))
     # The verifier's own token needs one more place after the draft.
@@ -200,7 +201,16 @@ def _draft(drafter, live, outputs, max_length, max_draft) -> list[list[int]]:
     drafts = drafter.draft(live, [outputs[row] for row in live], sizes)
     if len(drafts) != len(live):
         raise ValueError(f"the drafter returned {len(drafts)} drafts for {len(live)} rows")
-    return [list(map(int, draft))[:size] for draft, size in zip(drafts, sizes, strict=True)]
+    return [_within_vocabulary(list(map(int, draft))[:size], vocab) for draft, size in zip(drafts, sizes, strict=True)]
+
+
+def _within_vocabulary(draft: list[int], vocab: int) -> list[int]:
+    """A drafter only proposes: a draft ends before its first id outside the vocabulary (negative, or past
+    the embedding), which greedy could never have chosen, so the verifier's own token takes its place."""
+    for position, token in enumerate(draft):
+        if not 0 <= token < vocab:
+            return draft[:position]
+    return draft
 
 
 def _verify(decoder, state, outputs, live, drafts, pad_token_id, dtype,

@@ -115,9 +115,9 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
                                 max_draft=block_size if decoding == "gad" else max_draft or DraftBudget())
     original = type(model).generate
     input_ids = inputs if inputs is not None else kwargs.get("input_ids")
-    if isinstance(input_ids, torch.Tensor) and (input_ids.dim() != 2 or input_ids.shape[0] == 0):
-        raise ValueError(f"lightgen generate: input_ids must be a non-empty [batch, length] tensor, got shape "
-                         f"{tuple(input_ids.shape)}")
+    if isinstance(input_ids, torch.Tensor) and (input_ids.dim() != 2 or 0 in input_ids.shape):
+        raise ValueError(f"lightgen generate: input_ids must be a non-empty [batch, length] tensor (at least one "
+                         f"row and one token), got shape {tuple(input_ids.shape)}")
     reason = next((f"argument '{name}' is not supported by lightgen's engine" for name in HF_ONLY_ARGUMENTS
                    if kwargs.get(name) is not None and kwargs.get(name) is not False), None)
     if reason is None and kwargs.get("use_cache") is False:
@@ -128,6 +128,9 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
         kind = "accelerate hooks (offloaded or dispatched weights)" if "_hf_hook" in vars(
             model.get_submodule(hooked)) else "forward hooks"
         reason = f"module '{hooked or type(model).__name__}' carries {kind}"
+    dropout = None if reason else _active_dropout(model)
+    if dropout is not None:  # HF's loop applies it; lightgen's decoder runs inference only
+        reason = f"module '{dropout}' applies dropout in train() mode (call model.eval() for lightgen's engine)"
     if reason is not None:
         return unaccelerated_generate(model, inputs, generation_config, reason=reason, decoding=decoding,
                                       max_draft=max_draft, draft_ids=draft_ids, drafter=drafter,
@@ -158,6 +161,23 @@ def unaccelerated_generate(model: nn.Module, inputs=None, generation_config=None
     dropped = f" (without lightgen's {', '.join(ours)}: greedy's tokens)" if ours else ""
     _fall_back(f"{reason}{dropped}")
     return type(model).generate(model, inputs, generation_config, **kwargs)
+
+
+_DROPOUT_ATTRIBUTES = ("dropout", "attention_dropout", "activation_dropout", "layerdrop")
+
+
+def _active_dropout(model: nn.Module) -> str | None:
+    """The first module in train() mode with a nonzero dropout (nn.Dropout, or the float rates HF's modules
+    pass to F.dropout), or None."""
+    for name, module in model.named_modules():
+        if not module.training:
+            continue
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            if module.p > 0:
+                return name or type(model).__name__
+        elif any(isinstance(rate, float) and rate > 0 for rate in map(vars(module).get, _DROPOUT_ATTRIBUTES)):
+            return name or type(model).__name__
+    return None
 
 
 # HF's generate builds its KV cache object before it hands over to lightgen's loop, which never reads it;
@@ -466,8 +486,20 @@ def _r_top_k_continuations(model, log_probs, running_beam_scores, running_sequen
     R-top-k kernel, which returns the same candidates in the same order."""
     batch_size, num_beams = running_beam_scores.shape
     vocab_size = log_probs.shape[-1]
-    topk_log_probs, topk_indices, _ = ops.beam_topk(log_probs, running_beam_scores.reshape(-1), num_beams,
-                                                    beams_to_keep, apply_log_softmax)
+    try:
+        topk_log_probs, topk_indices, _ = ops.beam_topk(log_probs, running_beam_scores.reshape(-1), num_beams,
+                                                        beams_to_keep, apply_log_softmax)
+    except RuntimeError as error:
+        if not ops.refuses_non_finite(error):
+            raise
+        # The kernel refuses NaN and +inf (NaN weights, a processor writing +inf); HF's composite ranks them.
+        if apply_log_softmax:
+            log_probs = nn.functional.log_softmax(log_probs, dim=-1)
+        accumulated = log_probs.view(batch_size, num_beams, vocab_size) + running_beam_scores[:, :, None]
+        return model._get_top_k_continuations(
+            accumulated_log_probs=accumulated.reshape(batch_size, -1), running_sequences=running_sequences,
+            running_beam_indices=running_beam_indices, cur_len=cur_len, decoder_prompt_len=decoder_prompt_len,
+            do_sample=False, beams_to_keep=beams_to_keep, num_beams=num_beams, batch_size=batch_size)
     topk_current_beam_indices = topk_indices // vocab_size
     topk_running_beam_indices = model._gather_beams(running_beam_indices, topk_current_beam_indices)
     topk_running_sequences = model._gather_beams(running_sequences, topk_current_beam_indices)

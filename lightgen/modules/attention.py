@@ -27,26 +27,13 @@ IMPLEMENTATION = "lightgen"
 _UNSUPPORTED_KWARGS = ("position_bias", "s_aux")
 
 
-def _eager_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
-    """The family's own eager function (it repeats grouped K/V heads and soft-caps), given the additive
-    mask HF's eager masks are: ours are sdpa's (boolean, or None where sdpa would use ``is_causal``)."""
-    q_len, kv_len = query.shape[-2], key.shape[-2]
-    if attention_mask is None and q_len > 1 and getattr(module, "is_causal", True):
-        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        attention_mask = torch.where(attention_mask, torch.tensor(0.0, device=query.device, dtype=query.dtype),
-                                     torch.finfo(query.dtype).min)
-    family = sys.modules[type(module).__module__]
-    eager = getattr(family, "eager_attention_forward", eager_attention_forward)
-    return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-
-
 def lightgen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                                is_causal=None, **kwargs):
     grad = module.training or torch.is_grad_enabled()
     softcap = kwargs.get("softcap")
     if kwargs.get("output_attentions") or (softcap is not None and grad):
-        return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        return _eager(module, query, key, value, attention_mask, is_causal, scaling=scaling, dropout=dropout,
+                      **kwargs)
     if softcap is not None:
         if attention_mask is not None:
             return ops.attention(query, key, value, mask=attention_mask[..., :key.shape[-2]], scale=scaling,
@@ -65,6 +52,26 @@ def lightgen_attention_forward(module, query, key, value, attention_mask, scalin
     # A single query sees every key it is not masked from: no causal window needed.
     out = ops.attention(query, key, value, mask=attention_mask, scale=scaling)
     return out, None
+
+
+def _eager(module, query, key, value, attention_mask, is_causal, **kwargs):
+    """Attention weights as the module's family computes them: its own ``eager_attention_forward`` (which
+    repeats grouped K/V heads), or BERT's for families without one, with K/V heads repeated here."""
+    query_len, key_len = query.shape[-2], key.shape[-2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is None and query_len > 1 and causal:
+        # sdpa's mask function leaves causal masks to SDPA's is_causal (decided as sdpa does); eager needs one.
+        attention_mask = torch.ones(query_len, key_len, dtype=torch.bool, device=query.device).tril(key_len - query_len)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:  # sdpa's mask (ours): eager adds it
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    family_eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if family_eager is not None:
+        return family_eager(module, query, key, value, attention_mask, **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def register() -> None:

@@ -64,7 +64,14 @@ _GELU_KERNEL_MAX_ROWS = 16
 
 
 def _use_hf_activation(spec: BlockSpec, x: torch.Tensor) -> bool:
-    return spec.act is None or (spec.act == "gelu" and x.numel() // x.shape[-1] > _GELU_KERNEL_MAX_ROWS)
+    if spec.act is None:
+        return True
+    if x.dtype != torch.float32:
+        # fp16 / bf16 round at every op of HF's composite: its linear adds the bias inside the matmul (one
+        # rounding, bias_act's input is rounded without it) and some activations are composites themselves
+        # (gelu_new). SiLU and ReLU are one rounding in HF as in gated_act, which rounds before the product.
+        return not (spec.gated and spec.act in ("silu", "relu"))
+    return not spec.gated and spec.act == "gelu" and x.numel() // x.shape[-1] > _GELU_KERNEL_MAX_ROWS
 
 
 def feed_forward(ffn_owner: nn.Module, spec: BlockSpec, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +80,7 @@ def feed_forward(ffn_owner: nn.Module, spec: BlockSpec, x: torch.Tensor) -> torc
             gate_x, up_x = apply_linear(getattr(ffn_owner, spec.ffn_in[0]), x).chunk(2, dim=-1)
         else:
             gate_x, up_x = (apply_linear(getattr(ffn_owner, name), x) for name in spec.ffn_in)
-        if spec.act is None:
+        if _use_hf_activation(spec, x):
             hidden = getattr(ffn_owner, spec.act_module)(gate_x) * up_x
         else:
             hidden = ops.gated_act(gate_x, up_x, spec.act)

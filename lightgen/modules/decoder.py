@@ -99,7 +99,6 @@ class DecoderSpec:
     embed_scale: float = 1.0
     position_table: torch.Tensor | None = None  # [P, E]: learned, or a fixed sinusoidal table
     position_offset: int = 0  # BART's learned positions start at index 2
-    max_positions: int | None = None  # for rotary models: config.max_position_embeddings
     rotary: nn.Module | None = None  # HF rotary embedding module: (x, position_ids) -> (cos, sin)
     apply_rotary: object = None  # HF's apply_rotary_pos_emb for that family
     embedding_norm: nn.Module | None = None
@@ -113,9 +112,11 @@ class DecoderSpec:
 
     @property
     def position_limit(self) -> int:
+        """Positions the model can embed: its table's, and no limit for rotary models (HF computes their
+        angles for any position, past ``max_position_embeddings`` too)."""
         if self.position_table is not None:
             return self.position_table.shape[0] - self.position_offset
-        return self.max_positions or 1 << 62
+        return 1 << 62
 
 
 def _with_out_norm(call: Callable, norm: nn.Module | None) -> Callable:
@@ -132,7 +133,8 @@ class DecodeState:
     """Per-request decoder memory: self-attention cache, key mask, positions, cross K/V."""
 
     def __init__(self, cache: StaticKVCache, key_keep: torch.Tensor | None, next_position: torch.Tensor,
-                 cross_keys=(), cross_values=(), encoder_keep=None, expand: int = 1) -> None:
+                 cross_keys=(), cross_values=(), encoder_keep=None, expand: int = 1,
+                 position_limit: int | None = None) -> None:
         self.cache = cache
         self.key_keep = key_keep  # [N, max_len] bool, only when the prompt is padded
         self.next_position = next_position  # [N] int64: position id of each row's next token
@@ -143,6 +145,7 @@ class DecodeState:
         self.cross_values = list(cross_values)
         self.encoder_keep = encoder_keep  # [B, S] bool
         self.expand = expand  # decoder rows per sentence (beams or returned sequences)
+        self.position_limit = position_limit  # set when steps may run past the position table
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Beam search picked ``rows``: rows of the same sentence swap caches, masks and positions."""
@@ -188,9 +191,6 @@ class Decoder:
         Encoder inputs are per row ([N, S, E]: HF repeats each sentence ``expand`` times) and are
         de-duplicated here, so cross-attention K/V exist once per sentence.
         """
-        if max_len > self.spec.position_limit:
-            raise ValueError(f"generation needs {max_len} positions but the model has {self.spec.position_limit} "
-                             f"(max_position_embeddings)")
         first = self.spec.layers[0].self_attn
         cache = StaticKVCache(len(self.spec.layers), rows, first.kv_heads, max_len + spare_positions, first.head_dim,
                               dtype, device)
@@ -199,8 +199,10 @@ class Decoder:
         if prompt_mask is not None:
             key_keep = POOL.take((rows, max_len + spare_positions), torch.bool, device).fill_(True)
             key_keep[:, : prompt_mask.shape[1]] = prompt_mask.bool()
+        # Past the table HF fails when a step gets there (often it stops at EOS first): steps check then.
+        position_limit = self.spec.position_limit if max_len > self.spec.position_limit else None
         if encoder_hidden is None:
-            return DecodeState(cache, key_keep, next_position)
+            return DecodeState(cache, key_keep, next_position, position_limit=position_limit)
         sentences = encoder_hidden[::expand]
         encoder_keep = (torch.ones(sentences.shape[:2], dtype=torch.bool, device=sentences.device)
                         if encoder_mask is None else encoder_mask[::expand].bool())
@@ -209,7 +211,8 @@ class Decoder:
             attn = layer.cross_attn
             cross_keys.append(_split_heads(apply_linear(attn.k, sentences), attn.kv_heads).contiguous())
             cross_values.append(_split_heads(apply_linear(attn.v, sentences), attn.kv_heads).contiguous())
-        return DecodeState(cache, key_keep, next_position, cross_keys, cross_values, encoder_keep, expand)
+        return DecodeState(cache, key_keep, next_position, cross_keys, cross_values, encoder_keep, expand,
+                           position_limit)
 
     def step(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor | None = None,
              all_positions: bool = False, scored: torch.Tensor | None = None) -> torch.Tensor:
@@ -227,6 +230,9 @@ class Decoder:
             raise RuntimeError(f"decoder cache of {cache.max_len} positions is full")
         if positions is None:
             positions = state.next_position[:, None] + torch.arange(length, device=tokens.device)
+        if state.position_limit is not None and int(positions.max()) >= state.position_limit:
+            raise IndexError(f"position {int(positions.max())} is past the model's {state.position_limit} positions "
+                             f"(max_position_embeddings): Hugging Face's forward fails here too")
         hidden = self._embed(tokens, positions)
         tables = {}  # rotary cos/sin per rotary module, computed once per step
         if spec.embedding_norm is not None:
