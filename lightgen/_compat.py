@@ -8,7 +8,7 @@ from packaging.version import Version
 
 # Adapters follow the layer APIs of these releases; outside them a patched model could compute
 # something else, so importing lightgen refuses instead.
-TRANSFORMERS_RANGE = ("5.24.0", "5.25.0")  # [min, max)
+TRANSFORMERS_RANGE = ("5.21.0", "5.25.0")  # [min, max)
 
 # fairseq 0.12.2 does not import on Python 3.11; this PyPI fork does. Installed without its
 # dependencies (its torchaudio pin breaks torch 2.13): `lightgen install-fairseq`.
