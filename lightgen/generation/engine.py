@@ -103,6 +103,9 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     if kwargs.get("assistant_model") is not None and kwargs.get("assistant_tokenizer") is None and decoding == "auto":
         # HF's assisted decoding, batched: the assistant drafts for GAD (greedy: the same tokens as HF's).
         decoding, drafter = "gad", kwargs.pop("assistant_model")
+    if kwargs.get("prompt_lookup_num_tokens") and decoding == "auto" and _greedy_call(model, generation_config, kwargs):
+        # HF's prompt lookup decoding is IAD: drafts copied from the prompt (batched here; HF takes one row).
+        decoding, max_draft = "iad", kwargs.pop("prompt_lookup_num_tokens")
     if decoding not in ("auto", "iad", "gad"):
         raise ValueError(f"lightgen generate: decoding must be 'auto', 'iad' or 'gad', got {decoding!r}")
     if (max_draft is not None and max_draft < 1) or block_size < 1:
@@ -144,6 +147,17 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     finally:
         _deferred.pending = False
         _deferred.call = None
+
+
+def _greedy_call(model, generation_config, kwargs) -> bool:
+    """Whether generate's arguments ask for greedy search (argument, then ``generation_config``, then the model's)."""
+    def setting(name):
+        for source in (kwargs, vars(generation_config) if generation_config is not None else {},
+                       vars(model.generation_config)):
+            if source.get(name) is not None:
+                return source[name]
+        return None
+    return not setting("do_sample") and (setting("num_beams") or 1) == 1
 
 
 # HF's generate builds its KV cache object before it hands over to lightgen's loop, which never reads it;

@@ -85,6 +85,6 @@ def store(state, cache, start: int) -> None:
 
 def with_cache(output, cache):
     """``output`` carrying ``cache`` in the field HF's version names ('cache' or 'past_key_values')."""
-    field = "cache" if "cache" in type(output).__dataclass_fields__ else "past_key_values"
-    output[field] = cache
+    if cache is not None:  # HF's outputs hold no key for a None field
+        output["cache" if "cache" in type(output).__dataclass_fields__ else "past_key_values"] = cache
     return output

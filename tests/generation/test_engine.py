@@ -90,31 +90,17 @@ def test_seeded_sampling_identical_to_hf(family, settings):
 
 
 def test_unsupported_argument_falls_back_with_a_warning(monkeypatch):
-    from transformers.generation.streamers import BaseStreamer
-
-    class Collect(BaseStreamer):
-        def __init__(self):
-            self.chunks = []
-
-        def put(self, value):
-            self.chunks.append(value)
-
-        def end(self):
-            pass
-
     accelerated, reference = _pair("bart", 6)
     ids, mask = padded_batch("bart", 1, 6, seed=6)
-    streamer = Collect()
-    with pytest.warns(RuntimeWarning, match="argument 'streamer' is not supported"):
-        got = accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, streamer=streamer)
-    assert torch.equal(got, reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5))
-    assert streamer.chunks
-    decoder_mask = torch.ones(1, 1, dtype=torch.long)  # tensors too, not only flags
-    with pytest.warns(RuntimeWarning, match="argument 'decoder_attention_mask'"):
-        got = accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
-                                   decoder_attention_mask=decoder_mask)
-    assert torch.equal(got, reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
-                                               decoder_attention_mask=decoder_mask))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, return_dict_in_generate=True)
+    with pytest.warns(RuntimeWarning, match="argument 'output_hidden_states' is not supported"):
+        got = accelerated.generate(**kwargs, output_hidden_states=True)
+    expected = reference.generate(**kwargs, output_hidden_states=True)
+    assert torch.equal(got.sequences, expected.sequences) and got.decoder_hidden_states
+    embeds = reference.get_decoder().embed_tokens(torch.full((1, 1), 2))  # tensors too, not only flags
+    with pytest.warns(RuntimeWarning, match="argument 'decoder_inputs_embeds'"):
+        got = accelerated.generate(**kwargs, decoder_inputs_embeds=embeds)
+    assert torch.equal(got.sequences, reference.generate(**kwargs, decoder_inputs_embeds=embeds).sequences)
     monkeypatch.setenv("LIGHTGEN_STRICT", "1")
     with pytest.raises(ValueError, match="LIGHTGEN_STRICT=1"):
         accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, output_attentions=True,
