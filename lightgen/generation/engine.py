@@ -41,6 +41,7 @@ from transformers.generation.utils import (
 
 from lightgen import _build, ops
 from lightgen.drafting import start_session
+from lightgen.generation import hf_cache
 from lightgen.generation.aggressive import (
     Acceptance,
     AggressiveDecoderOnlyOutput,
@@ -49,7 +50,6 @@ from lightgen.generation.aggressive import (
     DraftBudget,
     aggressive_greedy,
 )
-from lightgen.generation import hf_cache
 from lightgen.generation.diverse import group_beam_search
 from lightgen.memory import cached_cpu_memory
 from lightgen.modules.inference import skips_hooks

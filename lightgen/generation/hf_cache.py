@@ -12,7 +12,6 @@ does), and the new positions are appended to the caller's object, which HF also 
 
 from __future__ import annotations
 
-import torch
 from transformers.cache_utils import DynamicLayer, EncoderDecoderCache, StaticLayer
 from transformers.generation.utils import ALL_CACHE_NAMES
 
