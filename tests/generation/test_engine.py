@@ -97,10 +97,11 @@ def test_unsupported_argument_falls_back_with_a_warning(monkeypatch):
         got = accelerated.generate(**kwargs, output_hidden_states=True)
     expected = reference.generate(**kwargs, output_hidden_states=True)
     assert torch.equal(got.sequences, expected.sequences) and got.decoder_hidden_states
-    embeds = reference.get_decoder().embed_tokens(torch.full((1, 1), 2))  # tensors too, not only flags
-    with pytest.warns(RuntimeWarning, match="argument 'decoder_inputs_embeds'"):
-        got = accelerated.generate(**kwargs, decoder_inputs_embeds=embeds)
-    assert torch.equal(got.sequences, reference.generate(**kwargs, decoder_inputs_embeds=embeds).sequences)
+    gpt2, gpt2_reference = _pair("gpt2", 6)
+    embeds = gpt2_reference.transformer.wte(ids)  # tensors too, not only flags
+    with pytest.warns(RuntimeWarning, match="argument 'inputs_embeds'"):
+        got = gpt2.generate(inputs_embeds=embeds, max_new_tokens=5)
+    assert torch.equal(got, gpt2_reference.generate(inputs_embeds=embeds, max_new_tokens=5))
     monkeypatch.setenv("LIGHTGEN_STRICT", "1")
     with pytest.raises(ValueError, match="LIGHTGEN_STRICT=1"):
         accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, output_attentions=True,
