@@ -259,7 +259,7 @@ def test_group_beam_search_with_one_group_is_hf_beam_search(family, settings, mo
     from lightgen.generation import diverse, engine
 
     monkeypatch.setattr(engine, "_beam_search", lambda model, decoder, state, input_ids, positions, processors,
-                        criteria, config, output_class: diverse.group_beam_search(
+                        criteria, config, output_class, *reorder_last: diverse.group_beam_search(
                             decoder, state, input_ids, positions, processors, criteria, config, output_class))
     accelerated, reference = _pair(family, 1)
     ids, mask = padded_batch(family, 3, 7, seed=1)
