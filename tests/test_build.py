@@ -53,9 +53,11 @@ def test_env_report_lists_every_op_as_compiled():
 
 
 def test_transformers_outside_tested_range_is_refused():
-    with pytest.raises(ImportError, match="supports transformers >=5.24.0,<5.25.0"):
-        check_transformers_version("4.57.0")
-    check_transformers_version("5.24.0")
+    for outside in ("4.57.0", "5.20.2", "5.25.0"):
+        with pytest.raises(ImportError, match=r"supports transformers >=5.21.0,<5.25.0"):
+            check_transformers_version(outside)
+    for tested in ("5.21.1", "5.22.2", "5.23.0", "5.24.0"):
+        check_transformers_version(tested)
 
 
 @pytest.mark.slow

@@ -137,10 +137,11 @@ class DraftBudget:
 
 def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: DraftSession, eos_ids: set[int],
                       pad_token_id: int, max_length: int, max_draft: int | DraftBudget,
-                      acceptance: Acceptance = GREEDY,
-                      forced_eos: int | None = None) -> tuple[torch.Tensor, list[list[int]]]:
+                      acceptance: Acceptance = GREEDY, forced_eos: int | None = None,
+                      streamer=None) -> tuple[torch.Tensor, list[list[int]]]:
     """Greedy decoding (or GAD++'s relaxation of it), accelerated by ``drafter``'s guesses; a row that
-    reaches ``max_length`` ends with ``forced_eos`` when given.
+    reaches ``max_length`` ends with ``forced_eos`` when given. A ``streamer`` (one row only) gets each
+    pass's new tokens, [1, n], as from HF's assisted decoding.
 
     ``max_draft``: the most draft tokens per row and pass, or a ``DraftBudget`` that sets it from the
     number of rows still decoding. Returns the sequences and, per row, the tokens each of its decoder
@@ -180,6 +181,8 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
                     break
             outputs[row].extend(new_tokens)
             gained[row].append(len(new_tokens))
+            if streamer is not None:
+                streamer.put(torch.tensor([new_tokens]))
         state.roll_back(torch.tensor(rejected, device=device))
         if len(finished) == len(live):
             break

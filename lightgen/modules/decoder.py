@@ -146,6 +146,7 @@ class DecodeState:
         self.encoder_keep = encoder_keep  # [B, S] bool
         self.expand = expand  # decoder rows per sentence (beams or returned sequences)
         self.position_limit = position_limit  # set when steps may run past the position table
+        self.cached_prompt = 0  # prompt tokens a caller's cache holds: the first step feeds the rest
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Beam search picked ``rows``: rows of the same sentence swap caches, masks and positions."""

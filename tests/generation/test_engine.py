@@ -90,31 +90,18 @@ def test_seeded_sampling_identical_to_hf(family, settings):
 
 
 def test_unsupported_argument_falls_back_with_a_warning(monkeypatch):
-    from transformers.generation.streamers import BaseStreamer
-
-    class Collect(BaseStreamer):
-        def __init__(self):
-            self.chunks = []
-
-        def put(self, value):
-            self.chunks.append(value)
-
-        def end(self):
-            pass
-
     accelerated, reference = _pair("bart", 6)
     ids, mask = padded_batch("bart", 1, 6, seed=6)
-    streamer = Collect()
-    with pytest.warns(RuntimeWarning, match="argument 'streamer' is not supported"):
-        got = accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, streamer=streamer)
-    assert torch.equal(got, reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5))
-    assert streamer.chunks
-    decoder_mask = torch.ones(1, 1, dtype=torch.long)  # tensors too, not only flags
-    with pytest.warns(RuntimeWarning, match="argument 'decoder_attention_mask'"):
-        got = accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
-                                   decoder_attention_mask=decoder_mask)
-    assert torch.equal(got, reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
-                                               decoder_attention_mask=decoder_mask))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, return_dict_in_generate=True)
+    with pytest.warns(RuntimeWarning, match="argument 'output_hidden_states' is not supported"):
+        got = accelerated.generate(**kwargs, output_hidden_states=True)
+    expected = reference.generate(**kwargs, output_hidden_states=True)
+    assert torch.equal(got.sequences, expected.sequences) and got.decoder_hidden_states
+    gpt2, gpt2_reference = _pair("gpt2", 6)
+    embeds = gpt2_reference.transformer.wte(ids)  # tensors too, not only flags
+    with pytest.warns(RuntimeWarning, match="argument 'inputs_embeds'"):
+        got = gpt2.generate(inputs_embeds=embeds, max_new_tokens=5)
+    assert torch.equal(got, gpt2_reference.generate(inputs_embeds=embeds, max_new_tokens=5))
     monkeypatch.setenv("LIGHTGEN_STRICT", "1")
     with pytest.raises(ValueError, match="LIGHTGEN_STRICT=1"):
         accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, output_attentions=True,
@@ -277,7 +264,7 @@ def test_group_beam_search_with_one_group_is_hf_beam_search(family, settings, mo
     from lightgen.generation import diverse, engine
 
     monkeypatch.setattr(engine, "_beam_search", lambda model, decoder, state, input_ids, positions, processors,
-                        criteria, config, output_class: diverse.group_beam_search(
+                        criteria, config, output_class, *reorder_last: diverse.group_beam_search(
                             decoder, state, input_ids, positions, processors, criteria, config, output_class))
     accelerated, reference = _pair(family, 1)
     ids, mask = padded_batch(family, 3, 7, seed=1)
