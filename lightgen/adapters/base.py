@@ -159,4 +159,4 @@ def patched_summary(model) -> list[str]:
 
 
 # Family modules register themselves on import.
-from lightgen.adapters import bart, bert, gpt2, llama  # noqa: E402,F401
+from lightgen.adapters import bart, bert, gpt2, llama, m2m_100, pegasus, t5  # noqa: E402,F401

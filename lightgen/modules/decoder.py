@@ -19,6 +19,7 @@ from lightgen.modules.block import BlockSpec, feed_forward, run_block
 from lightgen.modules.kv_cache import POOL, StaticKVCache
 from lightgen.modules.linear import apply_linear, kernel_weights
 from lightgen.modules.norm import apply_norm
+from lightgen.modules.position_bias import RelativePositionBias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,11 @@ class DecoderSpec:
     embedding_norm: nn.Module | None = None
     final_norm: nn.Module | None = None
     logits_bias: torch.Tensor | None = None  # [1, V]
+    # T5: a relative position bias on the self-attention scores, shared by all layers.
+    relative_position_bias: RelativePositionBias | None = None
+    lm_head_input_scale: float = 1.0  # T5 with tied embeddings: the LM head reads hidden * d_model**-0.5
+    # fairseq's make_positions (M2M100/NLLB): a token equal to this id takes position row ``padding_idx`` (zeros).
+    position_padding_idx: int | None = None
 
     @property
     def position_limit(self) -> int:
@@ -95,6 +101,7 @@ class DecodeState:
         self.cross_values = list(cross_values)
         self.encoder_keep = encoder_keep  # [B, S] bool
         self.expand = expand  # decoder rows per sentence (beams or returned sequences)
+        self.position_bias_table = None  # [H, 2 * max_len - 1] with a relative position bias
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Beam search picked ``rows``: rows of the same sentence swap caches, masks and positions."""
@@ -152,7 +159,7 @@ class Decoder:
             key_keep = POOL.take((rows, max_len + spare_positions), torch.bool, device).fill_(True)
             key_keep[:, : prompt_mask.shape[1]] = prompt_mask.bool()
         if encoder_hidden is None:
-            return DecodeState(cache, key_keep, next_position)
+            return self._with_bias_table(DecodeState(cache, key_keep, next_position))
         sentences = encoder_hidden[::expand]
         encoder_keep = (torch.ones(sentences.shape[:2], dtype=torch.bool, device=sentences.device)
                         if encoder_mask is None else encoder_mask[::expand].bool())
@@ -161,7 +168,36 @@ class Decoder:
             attn = layer.cross_attn
             cross_keys.append(_split_heads(apply_linear(attn.k, sentences), attn.kv_heads).contiguous())
             cross_values.append(_split_heads(apply_linear(attn.v, sentences), attn.kv_heads).contiguous())
-        return DecodeState(cache, key_keep, next_position, cross_keys, cross_values, encoder_keep, expand)
+        return self._with_bias_table(DecodeState(cache, key_keep, next_position, cross_keys, cross_values,
+                                                 encoder_keep, expand))
+
+    def _with_bias_table(self, state: DecodeState) -> DecodeState:
+        if self.spec.relative_position_bias is not None:
+            state.position_bias_table = self.spec.relative_position_bias.table(state.cache.max_len)
+        return state
+
+    def _position_rows(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of the position table for ``tokens`` at ``positions``."""
+        spec = self.spec
+        rows = positions + spec.position_offset
+        pad = spec.position_padding_idx
+        if pad is None:
+            return rows.contiguous()
+        real = tokens != pad
+        if state.cache.length == 0:
+            # HF numbers a prompt's real tokens with a cumulative sum (a padding token takes no position);
+            # after it, one token a step, every token counts and only a padding token itself takes row pad.
+            rows = positions[:, :1] + torch.cumsum(real, dim=1) - 1 + spec.position_offset
+        return torch.where(real, rows, pad)
+
+    def _self_attention_mask(self, state: DecodeState, positions: torch.Tensor) -> torch.Tensor | None:
+        """The key mask of a padded prompt, with a relative position bias (additive) folded in."""
+        if state.position_bias_table is None:
+            return state.key_keep
+        bias = RelativePositionBias.scores_bias(state.position_bias_table, positions, state.cache.max_len)
+        if state.key_keep is not None:
+            bias = bias.masked_fill(~state.key_keep[:, None, None, :], float("-inf"))
+        return bias
 
     def step(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor | None = None,
              all_positions: bool = False, scored: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,14 +217,16 @@ class Decoder:
             positions = state.next_position[:, None] + torch.arange(length, device=tokens.device)
         if spec.position_table is not None:
             hidden = ops.embedding(tokens, spec.token_embedding, spec.embed_scale, spec.position_table,
-                                   (positions + spec.position_offset).contiguous())
+                                   self._position_rows(state, tokens, positions))
         else:
             hidden = ops.embedding(tokens, spec.token_embedding, spec.embed_scale)
         rotary = spec.rotary(hidden, positions) if spec.rotary is not None else None
+        self_mask = self._self_attention_mask(state, positions)
         if spec.embedding_norm is not None:
             hidden = apply_norm(spec.embedding_norm, hidden)
         for index, layer in enumerate(spec.layers):
-            sublayers = [(lambda h, i=index, a=layer.self_attn: self._self_attention(state, i, a, h, rotary),
+            sublayers = [(lambda h, i=index, a=layer.self_attn: self._self_attention(state, i, a, h, rotary,
+                                                                                     self_mask),
                           layer.self_norm)]
             if layer.cross_attn is not None:
                 sublayers.append((lambda h, i=index, a=layer.cross_attn: self._cross_attention(state, i, a, h),
@@ -201,6 +239,8 @@ class Decoder:
         last = hidden[scored] if scored is not None else hidden if all_positions else hidden[:, -1]
         if spec.final_norm is not None:
             last = apply_norm(spec.final_norm, last)
+        if spec.lm_head_input_scale != 1.0:
+            last = last * spec.lm_head_input_scale
         return self._vocabulary_logits(last).float()
 
     def _vocabulary_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -215,20 +255,21 @@ class Decoder:
         logits = head(hidden)
         return logits if bias is None else logits + bias
 
-    def _self_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor, rotary):
+    def _self_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor, rotary,
+                        mask):
         rows, length, _ = h.shape
         query, key, value = attn.project(h)
         if rotary is not None:
             query, key = self.spec.apply_rotary(query, key, *rotary)
         keys, values = state.cache.layer(index)
-        out = ops.attention(query, keys, values, key, value, state.lengths, state.key_keep, attn.scaling, True)
+        out = ops.attention(query, keys, values, key, value, state.lengths, mask, attn.scaling, True)
         return apply_linear(attn.out, out.view(rows, length, -1))
 
     def _cross_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor):
-        rows, length, width = h.shape
+        rows, length, _ = h.shape
         sentences, expand = rows // state.expand, state.expand
         # Each sentence's rows (beams) become extra queries over that sentence's encoder K/V.
         query = apply_linear(attn.q, h).view(sentences, expand * length, attn.heads, -1).transpose(1, 2)
         out = ops.attention(query, state.cross_keys[index], state.cross_values[index], None, None, None,
                             state.encoder_keep, attn.scaling, False)
-        return apply_linear(attn.out, out.view(rows, length, width))
+        return apply_linear(attn.out, out.view(rows, length, -1))  # heads x head_dim may differ from the width (T5)

@@ -8,10 +8,11 @@ from lightgen import ops
 
 
 def norm_kind(module: nn.Module) -> str | None:
-    """'layer' for an affine nn.LayerNorm over one dim, 'rms' for HF's RMSNorm classes, else None."""
+    """'layer' for an affine nn.LayerNorm over one dim, 'rms' for HF's RMSNorm classes (and T5's), else None."""
     if isinstance(module, nn.LayerNorm):
         return "layer" if module.elementwise_affine and len(module.normalized_shape) == 1 else None
-    if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+    # T5's "LayerNorm" is an RMSNorm (no mean, no bias, variance in float32).
+    if type(module).__name__.endswith(("RMSNorm", "T5LayerNorm")) and hasattr(module, "variance_epsilon"):
         weight = getattr(module, "weight", None)
         return "rms" if isinstance(weight, nn.Parameter) and weight.dim() == 1 else None
     return None
