@@ -23,6 +23,20 @@ def t5_config(cls=tf.T5Config, **extra):
     return cls(**{**settings, **extra})
 
 
+def lively_t5(model):
+    """T5's init (embeddings of std 1, tied to the LM head) makes a tiny random model repeat one token (mostly
+    the padding id it starts from); a smaller embedding and larger layers and position biases make its
+    outputs vary, so that generation tests see different tokens, EOS and the far position buckets."""
+    with torch.no_grad():
+        model.shared.weight.mul_(0.1)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module is not model.lm_head:
+                module.weight.mul_(6.0)
+            elif isinstance(module, torch.nn.Embedding) and module is not model.shared:
+                module.weight.mul_(12.0)  # relative_attention_bias
+    return model
+
+
 SEQ2SEQ = ("bart", "mbart", "marian", "t5", "mt5", "m2m_100", "pegasus")
 DECODER_ONLY = ("gpt2", "llama", "mistral", "qwen2")
 
@@ -32,8 +46,8 @@ BUILDERS = {
     "marian": lambda: tf.MarianMTModel(_seq2seq_config(tf.MarianConfig, activation_function="swish",
                                                        scale_embedding=True)),
     # T5 with its tied, scaled LM head and ReLU; mT5 with gated-GELU (T5 v1.1, no scaling).
-    "t5": lambda: tf.T5ForConditionalGeneration(t5_config()),
-    "mt5": lambda: tf.MT5ForConditionalGeneration(t5_config(tf.MT5Config, feed_forward_proj="gated-gelu")),
+    "t5": lambda: lively_t5(tf.T5ForConditionalGeneration(t5_config())),
+    "mt5": lambda: lively_t5(tf.MT5ForConditionalGeneration(t5_config(tf.MT5Config, feed_forward_proj="gated-gelu"))),
     "m2m_100": lambda: tf.M2M100ForConditionalGeneration(_seq2seq_config(tf.M2M100Config, d_model=36, ffn=45,
                                                                          activation_function="relu",
                                                                          scale_embedding=True)),
