@@ -5,7 +5,12 @@ from __future__ import annotations
 from lightgen.adapters._blocks import first_cache, patch_matching
 from lightgen.adapters.base import Adapter, UnsupportedModelError, register_adapter
 from lightgen.modules.block import BlockSpec, activation_for, feed_forward, run_block
-from lightgen.modules.decoder import AttentionWeights, Decoder, DecoderLayerWeights, DecoderSpec
+from lightgen.modules.decoder import (
+    AttentionWeights,
+    Decoder,
+    DecoderLayerWeights,
+    DecoderSpec,
+)
 from lightgen.modules.position_bias import RelativePositionBias
 
 

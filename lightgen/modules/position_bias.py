@@ -8,7 +8,7 @@ only gathers its rows from it (``scores_bias``) and every layer shares that one 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
