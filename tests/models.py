@@ -26,14 +26,16 @@ def t5_config(cls=tf.T5Config, **extra):
 def lively_t5(model):
     """T5's init (embeddings of std 1, tied to the LM head) makes a tiny random model repeat one token (mostly
     the padding id it starts from); a smaller embedding and larger layers and position biases make its
-    outputs vary, so that generation tests see different tokens, EOS and the far position buckets."""
+    outputs vary more, so that generation tests see different tokens, EOS and the far position buckets."""
     with torch.no_grad():
         model.shared.weight.mul_(0.1)
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module is not model.lm_head:
-                module.weight.mul_(6.0)
+                module.weight.mul_(3.0)
             elif isinstance(module, torch.nn.Embedding) and module is not model.shared:
                 module.weight.mul_(12.0)  # relative_attention_bias
+        # Logits of a few tens, not hundreds: fp32 rounding differences stay within the tests' tolerances.
+        model.decoder.final_layer_norm.weight.mul_(0.2)
     return model
 
 

@@ -113,3 +113,15 @@ def test_m2m_100_padding_tokens_take_no_position(num_beams, step_counter):
     assert (expected[:, prompt.shape[1]:-1] == pad).any(), "the test needs padding tokens emitted mid-sequence"
     assert torch.equal(accelerated.generate(**kwargs), expected)
     assert step_counter
+
+
+@pytest.mark.parametrize("family", ["t5", "m2m_100"])
+def test_bf16_models_stay_close(family):
+    model = build(family, dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+    ids, mask = padded_batch(family, 2, 8)
+    kwargs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :4])
+    with torch.no_grad():
+        expected = reference(**kwargs).logits.float()
+        got = lightgen.accelerate_model(model)(**kwargs).logits.float()
+    torch.testing.assert_close(got, expected, atol=0.1, rtol=0.05)
