@@ -31,11 +31,11 @@ def lively_t5(model):
         model.shared.weight.mul_(0.1)
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module is not model.lm_head:
-                module.weight.mul_(3.0)
+                module.weight.mul_(2.5)
             elif isinstance(module, torch.nn.Embedding) and module is not model.shared:
                 module.weight.mul_(12.0)  # relative_attention_bias
         # Logits of a few tens, not hundreds: fp32 rounding differences stay within the tests' tolerances.
-        model.decoder.final_layer_norm.weight.mul_(0.2)
+        model.decoder.final_layer_norm.weight.mul_(0.1)
     return model
 
 
