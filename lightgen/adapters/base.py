@@ -187,4 +187,6 @@ def patched_summary(model) -> list[str]:
 
 
 # Family modules register themselves on import.
-from lightgen.adapters import bart, bert, gemma, gpt2, gpt_neox, llama, opt, phi3, qwen3  # noqa: E402,F401
+from lightgen.adapters import (  # noqa: E402,F401
+    bart, bert, gemma, gpt2, gpt_neox, llama, m2m_100, opt, pegasus, phi3, qwen3, t5,
+)

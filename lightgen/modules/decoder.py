@@ -21,6 +21,7 @@ from lightgen.modules.block import BlockSpec, feed_forward, run_block
 from lightgen.modules.kv_cache import POOL, StaticKVCache
 from lightgen.modules.linear import apply_linear, kernel_weights
 from lightgen.modules.norm import apply_norm
+from lightgen.modules.position_bias import RelativePositionBias
 
 DECODER_ATTR = "_lightgen_decoder"  # where an adapter attaches a model's Decoder for the generation engine
 # Where an adapter attaches the function that accelerates a model (the engine accelerates an assistant with it).
@@ -109,6 +110,11 @@ class DecoderSpec:
     # positions are added) and out (after the final norm).
     project_in: nn.Module | None = None
     project_out: nn.Module | None = None
+    # T5: a relative position bias on the self-attention scores, shared by all layers.
+    relative_position_bias: RelativePositionBias | None = None
+    lm_head_input_scale: float = 1.0  # T5 with tied embeddings: the LM head reads hidden * d_model**-0.5
+    # fairseq's make_positions (M2M100/NLLB): a token equal to this id takes position row ``padding_idx`` (zeros).
+    position_padding_idx: int | None = None
 
     @property
     def position_limit(self) -> int:
@@ -147,6 +153,7 @@ class DecodeState:
         self.expand = expand  # decoder rows per sentence (beams or returned sequences)
         self.position_limit = position_limit  # set when steps may run past the position table
         self.cached_prompt = 0  # prompt tokens a caller's cache holds: the first step feeds the rest
+        self.position_bias_table = None  # [H, 2 * max_len - 1] with a relative position bias
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Beam search picked ``rows``: rows of the same sentence swap caches, masks and positions."""
@@ -203,7 +210,7 @@ class Decoder:
         # Past the table HF fails when a step gets there (often it stops at EOS first): steps check then.
         position_limit = self.spec.position_limit if max_len > self.spec.position_limit else None
         if encoder_hidden is None:
-            return DecodeState(cache, key_keep, next_position, position_limit=position_limit)
+            return self._with_bias_table(DecodeState(cache, key_keep, next_position, position_limit=position_limit))
         sentences = encoder_hidden[::expand]
         encoder_keep = (torch.ones(sentences.shape[:2], dtype=torch.bool, device=sentences.device)
                         if encoder_mask is None else encoder_mask[::expand].bool())
@@ -212,8 +219,36 @@ class Decoder:
             attn = layer.cross_attn
             cross_keys.append(_split_heads(apply_linear(attn.k, sentences), attn.kv_heads).contiguous())
             cross_values.append(_split_heads(apply_linear(attn.v, sentences), attn.kv_heads).contiguous())
-        return DecodeState(cache, key_keep, next_position, cross_keys, cross_values, encoder_keep, expand,
-                           position_limit)
+        return self._with_bias_table(DecodeState(cache, key_keep, next_position, cross_keys, cross_values,
+                                                 encoder_keep, expand, position_limit))
+
+    def _with_bias_table(self, state: DecodeState) -> DecodeState:
+        if self.spec.relative_position_bias is not None:
+            state.position_bias_table = self.spec.relative_position_bias.table(state.cache.max_len)
+        return state
+
+    def _position_rows(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of the position table for ``tokens`` at ``positions``."""
+        spec = self.spec
+        rows = positions + spec.position_offset
+        pad = spec.position_padding_idx
+        if pad is None:
+            return rows.contiguous()
+        real = tokens != pad
+        if state.cache.length == 0:
+            # HF numbers a prompt's real tokens with a cumulative sum (a padding token takes no position);
+            # after it, one token a step, every token counts and only a padding token itself takes row pad.
+            rows = positions[:, :1] + torch.cumsum(real, dim=1) - 1 + spec.position_offset
+        return torch.where(real, rows, pad)
+
+    def _self_attention_mask(self, state: DecodeState, positions: torch.Tensor) -> torch.Tensor | None:
+        """The key mask of a padded prompt, with a relative position bias (additive) folded in."""
+        if state.position_bias_table is None:
+            return state.key_keep
+        bias = RelativePositionBias.scores_bias(state.position_bias_table, positions, state.cache.max_len)
+        if state.key_keep is not None:
+            bias = bias.masked_fill(~state.key_keep[:, None, None, :], float("-inf"))
+        return bias
 
     def step(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor | None = None,
              all_positions: bool = False, scored: torch.Tensor | None = None) -> torch.Tensor:
@@ -234,7 +269,8 @@ class Decoder:
         if state.position_limit is not None and int(positions.max()) >= state.position_limit:
             raise IndexError(f"position {int(positions.max())} is past the model's {state.position_limit} positions "
                              f"(max_position_embeddings): Hugging Face's forward fails here too")
-        hidden = self._embed(tokens, positions)
+        hidden = self._embed(state, tokens, positions)
+        self_mask = self._self_attention_mask(state, positions)
         tables = {}  # rotary cos/sin per rotary module, computed once per step
         if spec.embedding_norm is not None:
             hidden = apply_norm(spec.embedding_norm, hidden)
@@ -243,7 +279,7 @@ class Decoder:
             if rotary is not None and id(rotary) not in tables:
                 tables[id(rotary)] = rotary(hidden, positions)
             attend = functools.partial(self._self_attention, state, index, layer.self_attn,
-                                       rotary=tables.get(id(rotary)))
+                                       rotary=tables.get(id(rotary)), mask=self_mask)
             sublayers = [(_with_out_norm(attend, layer.self_out_norm), layer.self_norm)]
             if layer.cross_attn is not None:
                 sublayers.append((lambda h, i=index, a=layer.cross_attn: self._cross_attention(state, i, a, h),
@@ -259,11 +295,13 @@ class Decoder:
             last = apply_norm(spec.final_norm, last)
         if spec.project_out is not None:
             last = apply_linear(spec.project_out, last)
+        if spec.lm_head_input_scale != 1.0:
+            last = last * spec.lm_head_input_scale
         return self._vocabulary_logits(last).float()
 
-    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _embed(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         spec = self.spec
-        table_positions = (positions + spec.position_offset).contiguous() if spec.position_table is not None else None
+        table_positions = self._position_rows(state, tokens, positions) if spec.position_table is not None else None
         if spec.project_in is not None:  # positions are added after the projection, as HF's OPT does
             hidden = apply_linear(spec.project_in, ops.embedding(tokens, spec.token_embedding, spec.embed_scale))
             if spec.position_table is None:
@@ -289,21 +327,22 @@ class Decoder:
                 logits = logits + bias
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def _self_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor, rotary=None):
+    def _self_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor, rotary=None,
+                        mask=None):
         rows, length, _ = h.shape
         query, key, value = attn.project(h)
         if rotary is not None:
             query, key = self.spec.apply_rotary(query, key, *rotary)
         keys, values = state.cache.layer(index)
-        out = ops.attention(query, keys, values, key, value, state.lengths, state.key_keep, attn.score_scale, True,
+        out = ops.attention(query, keys, values, key, value, state.lengths, mask, attn.score_scale, True,
                             attn.window, attn.softcap)
         return apply_linear(attn.out, out.view(rows, length, -1))
 
     def _cross_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor):
-        rows, length, width = h.shape
+        rows, length, _ = h.shape
         sentences, expand = rows // state.expand, state.expand
         # Each sentence's rows (beams) become extra queries over that sentence's encoder K/V.
         query = apply_linear(attn.q, h).view(sentences, expand * length, attn.heads, -1).transpose(1, 2)
         out = ops.attention(query, state.cross_keys[index], state.cross_values[index], None, None, None,
                             state.encoder_keep, attn.scaling, False)
-        return apply_linear(attn.out, out.view(rows, length, width))
+        return apply_linear(attn.out, out.view(rows, length, -1))  # heads x head_dim may differ from the width (T5)

@@ -14,8 +14,8 @@ UNIT_OFFSET_RMS_NORMS: set[str] = set()
 
 
 def norm_kind(module: nn.Module) -> str | None:
-    """'layer' for an affine nn.LayerNorm over one dim, 'rms' for HF's RMSNorm classes, 'rms_offset' for
-    the ``(1 + weight)`` ones (``UNIT_OFFSET_RMS_NORMS``), else None."""
+    """'layer' for an affine nn.LayerNorm over one dim, 'rms' for HF's RMSNorm classes (and T5's), 'rms_offset'
+    for the ``(1 + weight)`` ones (``UNIT_OFFSET_RMS_NORMS``), else None."""
     if isinstance(module, nn.LayerNorm):
         return "layer" if module.elementwise_affine and len(module.normalized_shape) == 1 else None
     weight = getattr(module, "weight", None)
@@ -23,7 +23,8 @@ def norm_kind(module: nn.Module) -> str | None:
         return None
     if type(module).__name__ in UNIT_OFFSET_RMS_NORMS:
         return "rms_offset"
-    if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+    # T5's "LayerNorm" is an RMSNorm (no mean, no bias, variance in float32).
+    if type(module).__name__.endswith(("RMSNorm", "T5LayerNorm")) and hasattr(module, "variance_epsilon"):
         return "rms"
     return None
 

@@ -143,37 +143,28 @@ def test_forward_with_autograd_and_attention_weights_match_hf(family):
 
 
 def test_fallbacks_from_the_engine_drop_iad_and_refuse_gad_plus_plus():
-    """An argument only HF's loop runs (here ``streamer``) used to drop decoding= silently, GAD++ included,
-    whose tokens are not greedy's."""
-    from transformers.generation.streamers import BaseStreamer
-
-    class Discard(BaseStreamer):
-        def put(self, value):
-            pass
-
-        def end(self):
-            pass
-
+    """An argument only HF's loop runs (here ``output_hidden_states``) used to drop decoding= silently, GAD++
+    included, whose tokens are not greedy's."""
     reference = build("llama", seed=4)
     accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
     ids, mask = padded_batch("llama", 2, 6, seed=4)
     kwargs = dict(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=5, do_sample=False)
-    with pytest.warns(RuntimeWarning, match="'streamer' is not supported.*without lightgen's decoding"):
-        got = accelerated.generate(**kwargs, streamer=Discard(), decoding="iad")
+    with pytest.warns(RuntimeWarning, match="'output_hidden_states' is not supported.*without lightgen's decoding"):
+        got = accelerated.generate(**kwargs, output_hidden_states=True, decoding="iad")
     assert torch.equal(got, reference.generate(**kwargs))
     drafter = build("llama", seed=5)
     with pytest.raises(ValueError, match="GAD\\+\\+"):
-        accelerated.generate(**kwargs, streamer=Discard(), decoding="gad", drafter=drafter, beta=2)
+        accelerated.generate(**kwargs, output_hidden_states=True, decoding="gad", drafter=drafter, beta=2)
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "phi3", "gemma2", "gemma3_text", "opt", "gpt_neox"])
 def test_hf_loop_on_the_patched_layers_matches_hf(family):
-    """HF's own loop (here for cache_implementation=) steps the patched blocks and lightgen's attention through
+    """HF's own loop (here for output_hidden_states) steps the patched blocks and lightgen's attention through
     HF's caches, sliding-window layers and soft-capped decode steps included."""
     reference = build(family, seed=2)
     accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
     ids, mask = padded_batch(family, 3, 12, seed=2)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, num_beams=2)
-    with pytest.warns(RuntimeWarning, match="cache_implementation"):
-        got = accelerated.generate(**kwargs, cache_implementation="dynamic")
+    with pytest.warns(RuntimeWarning, match="output_hidden_states"):
+        got = accelerated.generate(**kwargs, output_hidden_states=True)
     assert torch.equal(got, reference.generate(**kwargs))

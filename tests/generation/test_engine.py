@@ -403,7 +403,9 @@ def test_iad_with_good_and_bad_drafts_equals_greedy_in_fewer_passes(family, corr
     got = accelerated.generate(**kwargs, decoding="iad", max_draft=6, draft_ids=drafts)
     assert torch.equal(got, expected)
     generated = expected.shape[1] - (1 if family in SEQ2SEQ else kwargs["input_ids"].shape[1])
-    if corrupt_every == 0 and generated > 6:  # some random models stop at once
+    # Some random models stop at once; the tiny T5s repeat one token, so no suffix of their output is unique in
+    # the draft and IAD finds no anchor (their tokens are still checked above).
+    if corrupt_every == 0 and generated > 6 and family not in ("t5", "mt5"):
         assert len(step_counter) < generated - 3, "exact drafts should need fewer decoder passes"
 
 
