@@ -12,11 +12,12 @@ does), and the new positions are appended to the caller's object, which HF also 
 
 from __future__ import annotations
 
-from transformers.cache_utils import DynamicLayer, EncoderDecoderCache, StaticLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, EncoderDecoderCache, StaticLayer
 from transformers.generation.utils import ALL_CACHE_NAMES
 
-# Layers holding plain K/V of every position (no window, no quantization, no recurrent state).
-_PLAIN_LAYERS = (DynamicLayer, StaticLayer)
+# Layers holding plain K/V of every position (no quantization, no recurrent state), and sliding-window ones,
+# which keep the last ``sliding_window - 1`` positions: all that a later query of that layer attends to.
+_PLAIN_LAYERS = (DynamicLayer, StaticLayer, DynamicSlidingWindowLayer)
 
 
 def cache_key(model_kwargs: dict) -> str | None:
@@ -60,8 +61,12 @@ def load(state, cache) -> int:
         return 0
     for index, layer in enumerate(_self_attention(cache).layers):
         keys, values = state.cache.layer(index)
-        keys[:, :, :past] = layer.keys[:, :, :past]
-        values[:, :, :past] = layer.values[:, :, :past]
+        kept = min(past, layer.keys.shape[2]) if isinstance(layer, DynamicSlidingWindowLayer) else past
+        # A windowed layer's older positions are outside every later query's window: zeros, never read.
+        keys[:, :, :past - kept].zero_()
+        values[:, :, :past - kept].zero_()
+        keys[:, :, past - kept:past] = layer.keys[:, :, layer.keys.shape[2] - kept:][:, :, :kept]
+        values[:, :, past - kept:past] = layer.values[:, :, layer.values.shape[2] - kept:][:, :, :kept]
     state.cache.length = past
     state.lengths.fill_(past)
     state.next_position.fill_(past)

@@ -134,11 +134,14 @@ def test_hf_cache_is_built_only_when_hf_loop_runs(family, monkeypatch):
     assert len(attentions) == 5
 
 
-def test_too_long_generation_is_a_clear_error():
-    accelerated, _ = _pair("bart", 0)
+def test_generation_past_the_position_table_fails_where_hf_fails():
+    accelerated, reference = _pair("bart", 0)
     ids, mask = padded_batch("bart", 1, 4)
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=200, min_new_tokens=200)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=200, min_new_tokens=200)
+    with pytest.raises(IndexError, match="max_position_embeddings"):
+        accelerated.generate(**kwargs)
+    with pytest.raises(IndexError):
+        reference.generate(**kwargs)
 
 
 def test_buffers_are_reused_across_calls():

@@ -180,23 +180,23 @@ def _drafter(r: random.Random, config, vocab: int, seed: int):
                                     max_block_size=r.randint(1, 8))).eval()
 
 
-def _close(a, b) -> bool:
-    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-4, equal_nan=True)
+def _close(a, b, tolerance: float = 1e-4) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, rtol=tolerance, atol=tolerance, equal_nan=True)
 
 
-def _same_rows_in_some_order(a, b, beams: int) -> bool:
+def _same_rows_in_some_order(a, b, beams: int, tolerance: float = 1e-4) -> bool:
     """Each sentence's ``beams`` rows of ``a`` equal its rows of ``b`` in some order."""
     for start in range(0, a.shape[0], beams):
         left = list(range(start, start + beams))
         for row in range(start, start + beams):
-            match = next((other for other in left if _close(a[row], b[other])), None)
+            match = next((other for other in left if _close(a[row], b[other], tolerance)), None)
             if match is None:
                 return False
             left.remove(match)
     return True
 
 
-def _assert_close_scores(mine, theirs, what, beams: int = 1):
+def _assert_close_scores(mine, theirs, what, beams: int = 1, tolerance: float = 1e-4):
     """Per-step scores within fp32 tolerance. In beam search, running beams whose scores tie to the last
     bits may come out in the other order (lightgen's logits are not HF's to the bit), so a step's rows
     may be a permutation within a sentence; the output (sequences, sequences_scores, beam_indices) is
@@ -204,9 +204,9 @@ def _assert_close_scores(mine, theirs, what, beams: int = 1):
     assert len(mine) == len(theirs), f"{what}: {len(mine)} steps vs {len(theirs)}"
     for step, (a, b) in enumerate(zip(mine, theirs, strict=True)):
         assert a.shape == b.shape, f"{what}[{step}]: shape {tuple(a.shape)} vs {tuple(b.shape)}"
-        if beams > 1 and not _close(a, b) and _same_rows_in_some_order(a, b, beams):
+        if beams > 1 and not _close(a, b, tolerance) and _same_rows_in_some_order(a, b, beams, tolerance):
             continue
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, equal_nan=True,
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance, equal_nan=True,
                                    msg=lambda m, step=step: f"{what}[{step}]: {m}")
 
 
@@ -217,8 +217,10 @@ def _compare(got, expected, settings):
     assert type(got) is type(expected), f"{type(got).__name__} vs {type(expected).__name__}"
     assert torch.equal(got.sequences, expected.sequences), f"tokens differ:\n{got.sequences}\nvs HF\n{expected.sequences}"
     beams = settings.get("num_beams", 1) if getattr(expected, "beam_indices", None) is not None else 1
+    # Sampling's scores are the logits / temperature: fp32 rounding of the logits grows by 1 / temperature.
+    temperature = settings.get("temperature", 1.0) if settings.get("do_sample") else 1.0
     if settings.get("output_scores"):
-        _assert_close_scores(got.scores, expected.scores, "scores", beams)
+        _assert_close_scores(got.scores, expected.scores, "scores", beams, 1e-4 / min(temperature, 1.0))
     if settings.get("output_logits"):
         _assert_close_scores(got.logits, expected.logits, "logits", beams)
     if getattr(expected, "beam_indices", None) is not None:
