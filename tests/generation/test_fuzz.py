@@ -22,11 +22,17 @@ import pytest
 import torch
 import transformers as tf
 
-import lightgen
-from lightgen.drafting import DrafterConfig, NARDrafter
+from models import BUILDERS
 
-FAMILIES = ("bart", "mbart", "marian", "bart_causal", "gpt2", "llama", "mistral", "qwen2")
-SEQ2SEQ = ("bart", "mbart", "marian")
+import lightgen
+from lightgen.generation.drafting import DrafterConfig, NARDrafter
+
+# Families whose configs are drawn here, and issue 20's families, which come with the shared test suite's
+# tiny configs (random weights, batches and settings all the same).
+DRAWN = ("bart", "mbart", "marian", "bart_causal", "gpt2", "llama", "mistral", "qwen2")
+BUILT = ("t5", "mt5", "m2m_100", "pegasus", "opt", "gpt_neox", "phi3", "qwen3", "gemma", "gemma2", "gemma3_text")
+FAMILIES = DRAWN + BUILT
+SEQ2SEQ = ("bart", "mbart", "marian", "t5", "mt5", "m2m_100", "pegasus")
 PAD, BOS, EOS = 1, 0, 2
 
 # Case seeds that failed once (the class of divergence each found); they must keep passing.
@@ -40,6 +46,9 @@ REGRESSIONS: dict[int, str] = {
 
 
 def _config(family: str, r: random.Random):
+    """A drawn config (None for BUILT families)."""
+    if family in BUILT:
+        return None
     head_dim = r.choice([4, 6, 8, 10, 12])
     heads = r.choice([1, 2, 3, 4])
     width = heads * head_dim
@@ -49,7 +58,7 @@ def _config(family: str, r: random.Random):
     positions = r.choice([64, 100])
     common = dict(vocab_size=vocab, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
                   tie_word_embeddings=r.random() < 0.5)
-    if family in SEQ2SEQ or family == "bart_causal":
+    if family in ("bart", "mbart", "marian", "bart_causal"):
         cls = {"bart": tf.BartConfig, "mbart": tf.MBartConfig, "marian": tf.MarianConfig,
                "bart_causal": tf.BartConfig}[family]
         extra = dict(is_decoder=True, is_encoder_decoder=False) if family == "bart_causal" else {}
@@ -66,7 +75,10 @@ def _config(family: str, r: random.Random):
                              scale_attn_by_inverse_layer_idx=r.random() < 0.3, **common)
     kv_heads = r.choice([d for d in range(1, heads + 1) if heads % d == 0])
     cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config}[family]
-    extra = dict(sliding_window=None) if family != "llama" else dict(attention_bias=r.random() < 0.3)
+    extra = {"llama": dict(attention_bias=r.random() < 0.3),
+             "mistral": dict(sliding_window=r.choice([None, 3, 5])),
+             "qwen2": dict(use_sliding_window=r.random() < 0.5, sliding_window=r.choice([3, 5]),
+                           max_window_layers=r.randint(0, layers))}[family]
     rope = {"rope_type": "default", "rope_theta": r.choice([100.0, 10000.0, 500000.0])}
     if r.random() < 0.3:
         rope = {"rope_type": "linear", "factor": r.choice([2.0, 4.0]), "rope_theta": rope["rope_theta"]}
@@ -78,11 +90,10 @@ def _config(family: str, r: random.Random):
 
 def _model(family: str, config, r: random.Random, seed: int):
     torch.manual_seed(seed)
-    cls = {"bart": tf.BartForConditionalGeneration, "mbart": tf.MBartForConditionalGeneration,
-           "marian": tf.MarianMTModel, "bart_causal": tf.BartForCausalLM, "gpt2": tf.GPT2LMHeadModel,
-           "llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM}[family]
-    model = cls(config).eval()
-    noise = r.choice([0.02, 0.1, 0.5])  # larger noise: peaked distributions, early EOS
+    if family in BUILT:
+        model, noise = BUILDERS[family]().eval(), r.choice([0.0, 0.02, 0.05])
+    else:
+        model, noise = _drawn_model(family, config), r.choice([0.02, 0.1, 0.5])  # larger: peaked, early EOS
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
@@ -91,6 +102,13 @@ def _model(family: str, config, r: random.Random, seed: int):
         if bias is not None:
             bias.add_(torch.randn(bias.shape, generator=gen) * r.choice([0.0, 0.5, 2.0]))
     return model
+
+
+def _drawn_model(family: str, config):
+    cls = {"bart": tf.BartForConditionalGeneration, "mbart": tf.MBartForConditionalGeneration,
+           "marian": tf.MarianMTModel, "bart_causal": tf.BartForCausalLM, "gpt2": tf.GPT2LMHeadModel,
+           "llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM}[family]
+    return cls(config).eval()
 
 
 def _batch(family: str, vocab: int, r: random.Random):
@@ -234,8 +252,8 @@ def run_case(seed: int) -> str:
     Returns a one-line description."""
     r = random.Random(seed)
     family = r.choice(FAMILIES)
-    config = _config(family, r)
-    model = _model(family, config, r, seed)
+    model = _model(family, _config(family, r), r, seed)
+    config = model.config
     vocab = config.vocab_size
     ids, mask = _batch(family, vocab, r)
     mode, settings = _settings(r, family, vocab, ids.shape[1])
