@@ -24,10 +24,10 @@ def _greedy(family, seed, batch=3, length=9, new_tokens=14):
     return accelerated, reference, reference.generate(**kwargs), kwargs
 
 
-def _random_drafter(seed, encoder_layers=1):
-    """encoder_layers=0: it reads the verifier's encoder output (the test models are 32 wide)."""
+def _random_drafter(seed, encoder_layers=1, width=32):
+    """encoder_layers=0: it reads the verifier's encoder output, ``width`` wide (most test models are 32)."""
     torch.manual_seed(seed)
-    return NARDrafter(DrafterConfig(vocab_size=VOCAB, pad_token_id=1, d_model=32, heads=4, ffn_dim=48,
+    return NARDrafter(DrafterConfig(vocab_size=VOCAB, pad_token_id=1, d_model=width, heads=2, ffn_dim=48,
                                     encoder_layers=encoder_layers, decoder_layers=1, max_positions=64,
                                     max_block_size=8)).eval()
 
@@ -40,7 +40,7 @@ def test_gad_with_an_untrained_drafter_equals_greedy(family, seed, block_size):
     got = accelerated.generate(**kwargs, decoding="gad", drafter=_random_drafter(seed), block_size=block_size)
     assert torch.equal(got, expected)
     if family in SEQ2SEQ:
-        shared = _random_drafter(seed, encoder_layers=0)
+        shared = _random_drafter(seed, encoder_layers=0, width=accelerated.config.d_model)
         assert torch.equal(accelerated.generate(**kwargs, decoding="gad", drafter=shared, block_size=block_size),
                            expected)
 
