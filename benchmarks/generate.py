@@ -152,6 +152,7 @@ def smollm2_missing() -> str | None:
     return None
 
 
+@functools.cache  # its benchmark needs the model, then the tokenizer: one load (minutes on a busy machine)
 def load_smollm2() -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
     """SmolLM2-135M-Instruct (Llama: 30 layers, d576, GQA 9/3 heads, tied 49k vocabulary), its Q4_1 GGUF
     dequantized to fp32 by transformers: real pretrained weights, no model hub."""
