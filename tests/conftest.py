@@ -55,4 +55,4 @@ def flat_pass_cost(monkeypatch):
     from lightgen.generation import aggressive
     from lightgen.generation.draft_policy import FixedPassCost
 
-    monkeypatch.setattr(aggressive, "measured_cost", lambda decoder: FixedPassCost())
+    monkeypatch.setattr(aggressive, "default_cost", lambda decoder: FixedPassCost())
