@@ -21,10 +21,10 @@ import transformers
 
 import lightgen
 from lightgen import _build
+from lightgen.machine import CONTENTION_WARNING, ContentionMeter, format_share  # noqa: F401  (re-exported)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOISY_SPREAD = 0.2  # interquartile range above this fraction of the median marks a timing as noisy
-CONTENTION_WARNING = 0.1  # above this share of the CPUs used by other processes, timings are suspect
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,48 +112,6 @@ def keep_freed_memory() -> bool:
 # Machine conditions
 
 
-def machine_busy_seconds() -> float | None:
-    """CPU seconds the whole machine has spent busy (or stolen by the hypervisor) since boot."""
-    try:
-        fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_seconds() -> float:
-    """CPU time of this process and of its finished children (benchmarks that time command-line tools)."""
-    times = os.times()
-    return time.process_time() + times.children_user + times.children_system
-
-
-class ContentionMeter:
-    """Share of the machine's CPU capacity that other processes used while we were timing.
-
-    On a shared machine a busy neighbour delays every multi-threaded op by whole scheduler ticks,
-    so the report says how quiet the machine was instead of leaving the reader to guess.
-    """
-
-    def __init__(self):
-        self.machine_start = machine_busy_seconds()
-        self.own_start = own_cpu_seconds()
-        self.wall_start = time.perf_counter()
-
-    def others_share(self) -> float | None:
-        machine_end = machine_busy_seconds()
-        if self.machine_start is None or machine_end is None:
-            return None
-        others = (machine_end - self.machine_start) - (own_cpu_seconds() - self.own_start)
-        capacity = (time.perf_counter() - self.wall_start) * (os.cpu_count() or 1)
-        return max(0.0, others / capacity)
-
-    def record(self, env: dict) -> None:
-        """Store the share and the wall time since the meter started in ``env``, for the header."""
-        env["others_cpu_share"] = self.others_share()
-        env["timing_seconds"] = time.perf_counter() - self.wall_start
-
-
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -201,10 +159,6 @@ def environment(status: _build.BuildStatus, quick: bool, malloc_tuned: bool) -> 
 
 # ---------------------------------------------------------------------------------------------
 # Reporting
-
-
-def format_share(share: float | None) -> str:
-    return f"{share:.0%}" if share is not None else "an unknown share"
 
 
 def format_speedup(speedup: float | None) -> str:

@@ -4,7 +4,7 @@
 
 Builds a 6+6-layer d512 (ffn 2048, 8 heads) fairseq ``transformer`` with random weights and a
 joint 8000-word dictionary, binarizes random sentences of 20 words, and runs ``fairseq-generate``
-on them as is and with ``--user-dir integrations/lightgen_fairseq --task translation_lightgen``,
+on them as is and with ``--user-dir "$(lightgen fairseq-plugin-dir)" --task translation_lightgen``,
 for beams 4 and 5 and a few ``--batch-size`` values. Speed is fairseq's own "sentences/s" line
 (generation only, model loading excluded). Random weights never emit EOS, so every hypothesis
 runs to ``--max-len-b`` tokens and both sides decode exactly the same number of steps; the
@@ -36,12 +36,14 @@ _script_dir = sys.path.pop(0)
 import fairseq  # noqa: E402
 from fairseq import options, tasks  # noqa: E402
 
+from lightgen.integrations import FAIRSEQ_PLUGIN_DIR  # noqa: E402
+
 sys.path.insert(0, _script_dir)
-from _common import (REPO_ROOT, ContentionMeter, format_speedup, hardware_title, machine_lines,  # noqa: E402
+from _common import (ContentionMeter, format_speedup, hardware_title, machine_lines,  # noqa: E402
                      speedup_chart, start_run, write_results)
 
 WORDS, SENTENCE_WORDS = 8000, 20
-PLUGIN_FLAGS = ["--user-dir", str(REPO_ROOT / "integrations" / "lightgen_fairseq"), "--task", "translation_lightgen"]
+PLUGIN_FLAGS = ["--user-dir", str(FAIRSEQ_PLUGIN_DIR), "--task", "translation_lightgen"]
 # fairseq cannot load its own checkpoints under torch >= 2.6 without this one class allowed.
 VANILLA = ("import argparse, sys, torch; torch.serialization.add_safe_globals([argparse.Namespace]); "
            "from fairseq_cli.generate import cli_main; sys.argv[0] = 'fairseq-generate'; cli_main()")

@@ -7,8 +7,9 @@ One decode step of a BART-size decoder runs 37 matmuls over 154 MB of fp32 weigh
 (512x2048), then the LM head (32000x512). They run back to back for M rows (batch x beams).
 Providers: ``aten`` (F.linear, MKL), ``onednn`` (weights packed by torch.utils.mkldnn),
 ``lightgen-inplace`` (ops.linear on nn.Linear's own [N, K] weight, what ``pack=False`` runs),
-``lightgen`` fp32 / bf16 / int8 (ops.linear on packed panels, what accelerate_model runs; bf16 and
-int8 are weight-only), ``fbgemm-int8`` (torch dynamic quantization, int8 activations).
+``lightgen`` fp32 / bf16 / int8 / int4 (packed panels, what accelerate_model runs; bf16, int8
+and int4 are weight-only, int8 / int4 group-wise: ops.linear_grouped), ``fbgemm-int8`` (torch dynamic
+quantization, int8 activations).
 Reports ms per step, the GB/s of weight bytes each provider streams, that as a share of the
 memory bandwidth measured in the same run (a 256 MB sum), and the ratio to aten.
 Outputs are checked against aten before timing.
@@ -36,8 +37,10 @@ ROWS = (1, 4, 8, 16, 32, 64)
 FULL = Sampling(samples=21, min_sample_s=0.05, max_measure_s=20.0)
 QUICK = Sampling(samples=5, min_sample_s=0.01, max_measure_s=2.0, warmup_calls=1)
 BANDWIDTH_FLOATS = 64 << 20  # 256 MB: far beyond the caches
-PROVIDERS = ("aten", "onednn", "lightgen-inplace", "lightgen", "lightgen-bf16", "lightgen-int8", "fbgemm-int8")
-BYTES_PER_WEIGHT = {"lightgen-bf16": 2, "lightgen-int8": 1, "fbgemm-int8": 1}
+PROVIDERS = ("aten", "onednn", "lightgen-inplace", "lightgen", "lightgen-bf16", "lightgen-int8", "lightgen-int4",
+             "fbgemm-int8")
+# Bytes streamed per weight, scales and zero points included (int8: 4 bytes per 32; int4: 8 per 32).
+BYTES_PER_WEIGHT = {"lightgen-bf16": 2, "lightgen-int8": 1 + 4 / 32, "lightgen-int4": 0.5 + 8 / 32, "fbgemm-int8": 1}
 
 
 def decode_step_layers() -> list[nn.Linear]:
@@ -64,6 +67,7 @@ def provider_calls(layers: list[nn.Linear]) -> dict[str, list]:
         "lightgen": lightgen(None),
         "lightgen-bf16": lightgen("bf16"),
         "lightgen-int8": lightgen("int8"),
+        "lightgen-int4": lightgen("int4"),
         "fbgemm-int8": fbgemm,
     }
 

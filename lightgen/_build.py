@@ -6,12 +6,20 @@ registers ``torch.ops.lightgen.*``. When the build is impossible or fails, the s
 defined from Python and every op runs its pure-PyTorch reference, with one warning per op.
 The CUDA kernels (``csrc/cuda/*.cu``) are a second library, built only where a GPU is visible and
 only for its architecture; without it, CUDA tensors take the references the same way.
+
+The cache folder's name is a hash of everything that changes the binary (sources, flags, ISA, torch's
+version and build, the compiler), not of the interpreter, so virtualenvs with the same torch share one
+build. A finished build leaves a marker beside its library; later processes load that library at once,
+without ninja (which would rebuild for another venv's include paths), and ``lightgen build`` fills the
+cache ahead of time. A build prints a notice first; a process waiting on another's build says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -50,6 +58,8 @@ class BuildStatus:
     library_path: str | None = None
     ops: tuple[str, ...] = ()
     cuda: BuildStatus | None = None  # the CUDA library's build; None where no GPU is visible
+    # "built" (by this process), "built by another process" (waited for its lock), "loaded from cache"
+    source: str = ""
 
 
 _lock = threading.Lock()
@@ -93,23 +103,58 @@ def _cache_root() -> Path:
     return Path(base) / "lightgen" / "torch_extensions"
 
 
-def _build_name(kind: str, files: list[Path], target: str) -> str:
+def _compiler_identity(compiler: str) -> str:
+    """The resolved compiler binary with its size and mtime: an upgrade changes the binary it writes.
+    A stat, not ``--version``: this runs on every import."""
+    found = shutil.which(compiler)
+    if found is None:
+        return f"{compiler} (not found)"
+    real = os.path.realpath(found)
+    info = os.stat(real)
+    return f"{real}:{info.st_size}:{info.st_mtime_ns}"
+
+
+def _torch_build() -> str:
+    return "|".join(str(part) for part in (torch.__version__, torch.version.git_version, torch.version.cuda,
+                                           torch.version.debug, torch._C._GLIBCXX_USE_CXX11_ABI))
+
+
+def _build_name(kind: str, files: list[Path], target: str, flags: dict, compiler: str) -> str:
+    """Cache folder name: a hash of what changes the binary. Not of ``sys.prefix``: two virtualenvs with
+    the same torch build compile the same library, and the marker lets the second load it without ninja."""
     digest = hashlib.sha256()
     for path in files:
-        digest.update(path.read_bytes())
-    # The interpreter prefix too: cpp_extension rebuilds when torch's include paths change, so two
-    # virtualenvs sharing one folder would rebuild it in turn.
-    digest.update(f"{torch.__version__}|{target}|{sys.prefix}".encode())
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(json.dumps([target, flags, _torch_build(), compiler], sort_keys=True).encode())
     return f"lightgen_{kind}_{target.lower()}_{digest.hexdigest()[:12]}"
 
 
+def _cpu_headers() -> list[Path]:
+    return sorted((CSRC / "include").glob("*.h"))
+
+
+def _cpu_flags(isa: str) -> dict:
+    return {"extra_cflags": ["-O3", "-fopenmp", "-DNDEBUG", *_ISA_FLAGS.get(isa, [])], "extra_ldflags": ["-fopenmp"]}
+
+
+def _cuda_flags(archs: list[str]) -> dict:
+    flags = ["-O3", "-DNDEBUG"]
+    return {"extra_cflags": flags, "extra_cuda_cflags": [*flags, *_gencode_flags(archs)]}
+
+
 def _cpu_build_name(isa: str) -> str:
-    return _build_name("cpu", sources() + sorted((CSRC / "include").glob("*.h")), isa)
+    return _build_name("cpu", sources() + _cpu_headers(), isa, _cpu_flags(isa),
+                       _compiler_identity(os.environ.get("CXX", "c++")))
 
 
 def _cuda_build_name(archs: list[str]) -> str:
-    headers = sorted((CSRC / "include").glob("*.h")) + sorted((CSRC / "include").glob("*.cuh"))
-    return _build_name("cuda", cuda_sources() + headers, f"{cuda_target(archs)}_cu{torch.version.cuda}")
+    from torch.utils import cpp_extension
+
+    headers = _cpu_headers() + sorted((CSRC / "include").glob("*.cuh"))
+    nvcc = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc") if cpp_extension.CUDA_HOME else "nvcc"
+    return _build_name("cuda", cuda_sources() + headers, f"{cuda_target(archs)}_cu{torch.version.cuda}",
+                       _cuda_flags(archs), _compiler_identity(os.environ.get("CXX", "c++")) + "|"
+                       + _compiler_identity(nvcc))
 
 
 def visible_cuda_archs() -> list[str]:
@@ -140,11 +185,6 @@ def _why_cannot_build() -> str | None:
     return None
 
 
-# A build takes 1-3 minutes; a lock older than this was left by a process killed mid-build, and
-# cpp_extension would wait on it forever without a word.
-STALE_LOCK_SECONDS = 900
-
-
 def lock_file_blocks() -> bool:
     """Whether cpp_extension's build lock is a file whose existence blocks (torch <= 2.13's FileBaton).
     From torch 2.14 it is an OS advisory lock on a file that stays after every build and frees itself
@@ -155,17 +195,84 @@ def lock_file_blocks() -> bool:
 
 
 def clear_stale_lock(build_dir: Path) -> None:
+    """Remove cpp_extension's lock file left by a build that was killed. Called only while holding
+    ``build_lock``, which every lightgen build holds for as long as that file exists: so it is stale."""
     if not lock_file_blocks():
         return
     lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        warnings.warn(f"lightgen: removing a build lock left {age / 60:.0f} minutes ago by a build that never "
-                      f"finished ({lock})", RuntimeWarning, stacklevel=3)
+    if lock.exists():
+        warnings.warn(f"lightgen: removing a build lock left by a build that never finished ({lock})",
+                      RuntimeWarning, stacklevel=3)
         lock.unlink(missing_ok=True)
+
+
+PROGRESS_SECONDS = 15.0  # how often a long build, or a wait on another process's build, says it is alive
+# CPU seconds of a cold CPU build with g++ at -O3 (measured: 109 on a busy machine, about 52 on a quiet one;
+# README "Set up"); the notice divides them over the cores ninja can use.
+CPU_BUILD_CPU_SECONDS = 80.0
+CUDA_BUILD_CPU_SECONDS_PER_ARCH = 600.0  # nvcc: CI's compile check, two archs, 11 min on 2 cores
+
+
+def notice(message: str) -> None:
+    """A line for the person waiting: stderr, so that piped output stays clean."""
+    print(message, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, what: str):
+    """An advisory lock on ``build_dir`` (freed by the OS when its holder dies, so never stale), held for
+    the whole build; a process that has to wait says whom it waits for, every ``PROGRESS_SECONDS``."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: cpp_extension's own lock still serializes the builds
+        yield
+        return
+    path = build_dir / "lightgen.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        started = time.monotonic()
+        reported = None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - started
+                if reported is None or waited - reported >= PROGRESS_SECONDS:
+                    holder = path.read_text().strip() or "another process"
+                    notice(f"lightgen: waiting for {holder}, which is compiling the {what} kernels in {build_dir} "
+                           f"({waited:.0f} s so far)")
+                    reported = waited
+                time.sleep(min(0.5, PROGRESS_SECONDS))
+        os.ftruncate(fd, 0)
+        os.write(fd, f"process {os.getpid()}".encode())
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _marker(build_dir: Path) -> Path:
+    return build_dir / "lightgen_build.json"
+
+
+def cached_library(build_dir: Path, name: str) -> Path | None:
+    """The library a finished build left in ``build_dir`` (its marker is written after it loaded), or None."""
+    library = build_dir / f"{name}.so"
+    if _marker(build_dir).is_file() and library.is_file():
+        return library
+    return None
+
+
+def _build_notice(what: str, isa: str, files: list[Path], build_dir: Path, cpu_seconds: float) -> str:
+    cores = os.cpu_count() or 1
+    seconds = cpu_seconds / min(len(files), cores)
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = 0.0
+    busy = f"; longer now: the machine is busy (load {load:.1f} on {cores} cores)" if load > cores / 2 else ""
+    return (f"lightgen: compiling the {what} kernels for {isa} ({len(files)} files), about {seconds:.0f} s on "
+            f"{cores} idle cores{busy}; once per machine and torch build, cached in {build_dir}")
 
 
 def _why_cannot_build_cuda() -> str | None:
@@ -178,17 +285,59 @@ def _why_cannot_build_cuda() -> str | None:
     return _why_cannot_build()
 
 
-def _compile(status: BuildStatus, name: str, files: list[Path], what: str, **flags) -> None:
+def _load_cached(status: BuildStatus, library: Path, source: str) -> bool:
+    started = time.perf_counter()
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as exc:  # a library that no longer loads (its torch changed in place): build again
+        notice(f"lightgen: the cached {library} does not load ({exc}); building it again")
+        _marker(library.parent).unlink(missing_ok=True)
+        return False
+    status.build_seconds = time.perf_counter() - started
+    status.compiled, status.library_path, status.source = True, str(library), source
+    status.log_path = str(library.parent / "build.log")
+    return True
+
+
+def _compile(status: BuildStatus, name: str, files: list[Path], what: str, why_not: Callable[[], str | None],
+             cpu_seconds: float, **flags) -> None:
+    """Load ``name`` from the cache, or build it there (``why_not`` says why it cannot be built here)."""
+    build_dir = _cache_root() / name
+    library = cached_library(build_dir, name)
+    if library is not None and _load_cached(status, library, "loaded from cache"):
+        return  # no compiler or ninja needed for that
+    reason = why_not()
+    if reason:
+        status.reason = reason
+        return
+    build_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with build_lock(build_dir, what):
+        library = cached_library(build_dir, name)  # built while we waited
+        if library is not None and _load_cached(status, library, "built by another process"):
+            return
+        clear_stale_lock(build_dir)
+        notice(_build_notice(what, status.isa, files, build_dir, cpu_seconds))
+        _run_build(status, name, files, what, build_dir, flags)
+
+
+def _run_build(status: BuildStatus, name: str, files: list[Path], what: str, build_dir: Path, flags: dict) -> None:
     from torch.utils import cpp_extension
 
-    build_dir = _cache_root() / name
-    build_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    clear_stale_lock(build_dir)
     log_path = build_dir / "build.log"
     status.log_path = str(log_path)
     started = time.perf_counter()
+    done = threading.Event()
+
+    def report_progress():
+        while not done.wait(PROGRESS_SECONDS):
+            objects = sum(1 for path in build_dir.glob("*.o") if path.stat().st_mtime >= wall_start)
+            notice(f"lightgen: still compiling the {what} kernels ({time.perf_counter() - started:.0f} s, "
+                   f"{objects} of {len(files)} files done)")
+
+    wall_start = time.time() - 1  # file mtimes may be rounded down
+    ticker = threading.Thread(target=report_progress, daemon=True)
+    ticker.start()
     try:
-        # cpp_extension takes a file lock in build_dir, so concurrent first uses build once.
         library = cpp_extension.load(
             name=name,
             sources=[str(p) for p in files],
@@ -201,10 +350,19 @@ def _compile(status: BuildStatus, name: str, files: list[Path], what: str, **fla
         log_path.write_text(f"{exc}\n\n{traceback.format_exc()}")
         status.reason = f"the {what} build failed ({type(exc).__name__}); see {log_path}"
         return
+    finally:
+        done.set()
+        ticker.join()
     status.build_seconds = time.perf_counter() - started
-    status.compiled = True
+    status.compiled, status.source = True, "built"
     status.library_path = str(library) if library else str(build_dir / f"{name}.so")
     log_path.write_text(f"built {name} in {status.build_seconds:.1f}s\n")
+    # Last, and atomically: the marker says the library is whole.
+    marker = _marker(build_dir)
+    partial = marker.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps({"library": Path(status.library_path).name, "seconds": status.build_seconds,
+                                   "torch": _torch_build(), "flags": flags}))
+    os.replace(partial, marker)
 
 
 def _warn_once(op_name: str, device: str, reason: str) -> None:
@@ -274,13 +432,11 @@ def load() -> BuildStatus:
         if _status is not None:
             return _status
         status = BuildStatus(isa=cpu_isa())
-        reason = _why_cannot_build()
-        if reason:
-            status.reason = reason
+        if _env_flag("LIGHTGEN_DISABLE_EXT"):
+            status.reason = "LIGHTGEN_DISABLE_EXT=1 is set"
         else:
-            _compile(status, _cpu_build_name(status.isa), sources(), "C++",
-                     extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", *_ISA_FLAGS.get(status.isa, [])],
-                     extra_ldflags=["-fopenmp"])
+            _compile(status, _cpu_build_name(status.isa), sources(), "C++", _why_cannot_build,
+                     CPU_BUILD_CPU_SECONDS, **_cpu_flags(status.isa))
         if not status.compiled and strict() and not _env_flag("LIGHTGEN_DISABLE_EXT"):
             raise KernelBuildError(f"lightgen kernels unavailable: {status.reason}")
         _register(status)
@@ -298,13 +454,11 @@ def build_cuda(archs: list[str]) -> BuildStatus:
     ("9.0", "8.0"). Needs the CUDA toolkit and a CUDA build of torch, not a GPU: CI checks that
     every ``.cu`` source compiles this way."""
     status = BuildStatus(isa=cuda_target(archs))
-    reason = _why_cannot_build_cuda()
-    if reason:
-        status.reason = reason
+    if torch.version.cuda is None or _env_flag("LIGHTGEN_DISABLE_EXT"):  # nothing to look up in the cache
+        status.reason = _why_cannot_build_cuda()
         return status
-    flags = ["-O3", "-DNDEBUG"]
-    _compile(status, _cuda_build_name(archs), cuda_sources(), "CUDA", extra_cflags=flags,
-             extra_cuda_cflags=[*flags, *_gencode_flags(archs)])
+    _compile(status, _cuda_build_name(archs), cuda_sources(), "CUDA", _why_cannot_build_cuda,
+             CUDA_BUILD_CPU_SECONDS_PER_ARCH * len(archs), **_cuda_flags(archs))
     return status
 
 

@@ -7,8 +7,11 @@ from importlib import metadata
 from packaging.version import Version
 
 # Adapters follow the layer APIs of these releases; outside them a patched model could compute
-# something else, so importing lightgen refuses instead.
-TRANSFORMERS_RANGE = ("5.24.0", "5.25.0")  # [min, max)
+# something else, so importing lightgen refuses instead. Tested: 5.24.0 (all), 5.21.1 (generation + parity;
+# CI runs it in a venv of its own, `.ci/run`); 5.22 and 5.23 not run yet. 5.24 renamed generate's `past_key_values` to `cache` (in
+# model_kwargs and outputs): `generation/hf_cache.py` reads whichever the installed release uses.
+TRANSFORMERS_RANGE = ("5.21.0", "5.25.0")  # [min, max)
+TRANSFORMERS_OLDEST_TESTED = "5.21.1"
 
 # fairseq 0.12.2 does not import on Python 3.11; this PyPI fork does. Installed without its
 # dependencies (its torchaudio pin breaks torch 2.13): `lightgen install-fairseq`.

@@ -1,20 +1,23 @@
-"""``lightgen`` command line: ``env`` (kernel report), ``demo`` (the shipped grammar corrector, HF vs
-lightgen), ``serve`` (a model behind Triton or Ray Serve), ``install-fairseq`` (the tested fairseq, for
-``lightgen[fairseq]``), ``train-drafter`` (a GAD drafter distilled from a verifier) and ``build-cuda``
+"""``lightgen`` command line: ``env`` (kernel report), ``build`` (compile the kernels ahead of time),
+``demo`` (the shipped grammar corrector, HF vs lightgen), ``serve`` (a model behind Triton or Ray Serve),
+``install-fairseq`` (the tested fairseq, for ``lightgen[fairseq]``), ``fairseq-plugin-dir`` (the folder for
+fairseq's ``--user-dir``), ``train-drafter`` (a GAD drafter distilled from a verifier) and ``build-cuda``
 (compile the CUDA kernels for chosen GPU architectures, with or without a GPU)."""
 
 from __future__ import annotations
 
+# Nothing heavy at module level: ``lightgen --help`` must not import torch (seconds of CPU). Each command
+# imports what it needs.
 import argparse
-import copy
 import re
 import subprocess
 import sys
 
-import torch
-
 
 def random_model_demo(layers: int, batch: int, src_len: int, new_tokens: int, repeats: int) -> None:
+    import copy
+
+    import torch
     import transformers as tf
 
     import lightgen
@@ -63,6 +66,28 @@ def install_fairseq() -> None:
     subprocess.run(command, check=True)
 
 
+def build() -> None:
+    """Compile the kernels into the cache now (an image, a CI job), where every later process, and every
+    virtualenv with the same torch build, loads them without compiling."""
+    from lightgen import _build
+
+    status = _build.load()
+    for what, built in (("CPU", status), ("CUDA", status.cuda)):
+        if built is None:
+            continue
+        if not built.compiled:
+            raise SystemExit(f"lightgen: the {what} kernels are not available: {built.reason}")
+        print(f"lightgen: {what} kernels for {built.isa} {built.source} in {built.build_seconds:.1f} s: "
+              f"{built.library_path}")
+
+
+def fairseq_plugin_dir() -> None:
+    """Print the installed fairseq plugin's folder, for ``--user-dir "$(lightgen fairseq-plugin-dir)"``."""
+    from lightgen.integrations import FAIRSEQ_PLUGIN_DIR
+
+    print(FAIRSEQ_PLUGIN_DIR)
+
+
 def _compute_capability(value: str) -> str:
     if not re.fullmatch(r"\d+\.\d+", value):
         raise argparse.ArgumentTypeError(f"expected a compute capability such as 9.0 or 8.0, got {value!r}")
@@ -92,18 +117,22 @@ def build_cuda(archs: list[str]) -> None:
 def serve(args, parser) -> None:
     from lightgen.serving import ServeOptions, backend
 
-    for name in ("max_batch_size", "num_replicas", "threads", "max_input_tokens", "max_new_tokens", "max_replicas"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be positive")
+    problems = [f"--{name.replace('_', '-')} must be positive"
+                for name in ("max_batch_size", "num_replicas", "threads", "max_input_tokens", "max_new_tokens",
+                             "max_replicas", "max_body_bytes", "max_text_bytes", "drain_timeout")
+                if getattr(args, name) is not None and getattr(args, name) <= 0]
     if args.max_replicas is not None and args.max_replicas < args.num_replicas:
-        parser.error("--max-replicas must be at least --num-replicas")
+        problems.append("--max-replicas must be at least --num-replicas")
+    if problems:  # all of them at once
+        parser.error("; ".join(problems))
     options = ServeOptions(
         model_dir=args.model_dir, drafter_dir=args.drafter, fairseq_data=args.fairseq_data,
         accelerate=not args.no_accelerate, threads=args.threads, host=args.host,
         port=args.port, max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
-        max_input_tokens=args.max_input_tokens, max_new_tokens=args.max_new_tokens, grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port, workspace=args.workspace, num_replicas=args.num_replicas,
-        max_replicas=args.max_replicas, ray_address=args.ray_address)
+        max_input_tokens=args.max_input_tokens, max_new_tokens=args.max_new_tokens, max_body_bytes=args.max_body_bytes,
+        max_text_bytes=args.max_text_bytes, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        workspace=args.workspace, num_replicas=args.num_replicas, max_replicas=args.max_replicas,
+        ray_address=args.ray_address, drain_timeout_s=args.drain_timeout)
     if args.export_repository:
         if args.backend != "triton":
             parser.error("--export-repository is for --backend triton")
@@ -122,9 +151,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="lightgen", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("env", help="report versions, ISA and which ops are compiled")
+    commands.add_parser("build", help="compile the kernels into the cache now (for images and CI); later runs, "
+                        "in any virtualenv with the same torch build, load them without compiling")
     demo_parser = commands.add_parser(
         "demo", help="correct sentences with the shipped demo model: HF vs lightgen greedy, IAD and beam search")
-    demo_parser.add_argument("--sentences", type=int, default=24, help="held-out sentences added to the examples")
+    demo_parser.add_argument("--sentences", type=int, default=12, help="held-out sentences added to the examples")
     demo_parser.add_argument("--batch", type=int, default=1)
     demo_parser.add_argument("--repeats", type=int, default=3)
     demo_parser.add_argument("--short", action="store_true", help="4 held-out sentences, one timed repeat")
@@ -152,6 +183,10 @@ def main(argv=None) -> None:
                               help="how long a batch's first request waits for batch-mates")
     serve_parser.add_argument("--max-input-tokens", type=int, help="default: the model's positions")
     serve_parser.add_argument("--max-new-tokens", type=int, help="cap and default per request (default 128)")
+    serve_parser.add_argument("--max-body-bytes", type=int, help="largest HTTP body (ray) or request row (triton) "
+                              "read; larger ones are refused before parsing (default 1 MiB)")
+    serve_parser.add_argument("--max-text-bytes", type=int, help="largest 'text' in UTF-8 bytes, refused before "
+                              "tokenizing (default 32 per --max-input-tokens)")
     serve_parser.add_argument("--grpc-port", type=int, help="triton: default port + 1")
     serve_parser.add_argument("--metrics-port", type=int, help="triton: default port + 2")
     serve_parser.add_argument("--workspace", help="triton: PyTriton's model store (removed at shutdown)")
@@ -161,8 +196,12 @@ def main(argv=None) -> None:
     serve_parser.add_argument("--max-replicas", type=int,
                               help="ray: autoscale between --num-replicas and this many replicas")
     serve_parser.add_argument("--ray-address", help="ray: an existing cluster ('auto' on a node of it); "
-                                                    "default: start a local one")
+                                                    "default: start a local one, on 127.0.0.1 only")
+    serve_parser.add_argument("--drain-timeout", type=float, default=30.0,
+                              help="ray: on SIGTERM, seconds in-flight requests may take to finish (default 30)")
     commands.add_parser("install-fairseq", help="install the tested fairseq (after pip install 'lightgen[fairseq]')")
+    commands.add_parser("fairseq-plugin-dir", help="print the fairseq plugin's folder: fairseq-interactive ... "
+                        "--user-dir \"$(lightgen fairseq-plugin-dir)\" --task translation_lightgen")
     commands.add_parser("train-drafter", add_help=False,
                         help="distil a GAD drafter for a verifier (lightgen train-drafter --help)")
     cuda_parser = commands.add_parser("build-cuda", help="compile the CUDA kernels for given GPU architectures "
@@ -179,10 +218,14 @@ def main(argv=None) -> None:
         from lightgen.env import main as env_main
 
         env_main()
+    elif args.command == "build":
+        build()
     elif args.command == "install-fairseq":
         install_fairseq()
+    elif args.command == "fairseq-plugin-dir":
+        fairseq_plugin_dir()
     elif args.command == "train-drafter":
-        from lightgen.drafting import main as train_drafter_main
+        from lightgen.drafter_cli import main as train_drafter_main
 
         train_drafter_main(rest)
     elif args.command == "build-cuda":

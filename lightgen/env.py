@@ -45,6 +45,7 @@ def report() -> dict:
         "threads": torch.get_num_threads(),
         "cuda": torch.version.cuda if cuda else None,
         "kernels_compiled": status.compiled,
+        "kernels_source": status.source,  # built / built by another process / loaded from cache
         "build_seconds": round(status.build_seconds, 1),
         "build_log": status.log_path,
         "library": status.library_path,
@@ -59,7 +60,7 @@ def format_report(info: dict) -> str:
         f"transformers {info['transformers']}",
         f"cpu: {info['cpu']}  isa: {info['isa']}  threads: {info['threads']}  cuda: {info['cuda'] or 'none'}",
         f"kernels: {'compiled' if info['kernels_compiled'] else 'NOT compiled'}"
-        + (f" (built or loaded from cache in {info['build_seconds']} s)" if info["kernels_compiled"] else "")
+        + (f" ({info['kernels_source']} in {info['build_seconds']} s)" if info["kernels_compiled"] else "")
         + f"  log: {info['build_log'] or '-'}",
         "",
         f"{'op':<16} {'cpu':<40} cuda",

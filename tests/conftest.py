@@ -11,6 +11,23 @@ TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(ato
               torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
+def linear_operand(weight, precision, layout):
+    """(weight, scale) for ``ops.linear`` from a float [N, K] weight: "fp32" / "bf16" / "int8" (the op's
+    per-output-channel int8; accelerate_model quantizes group-wise, ``ops.linear_grouped``), laid out as
+    "rows" ([N, K]), "k_major" (viewed from [K, N]) or "packed" panels."""
+    from lightgen.ops.linear import pack_panels
+
+    if layout == "k_major":
+        return weight.t().contiguous().t(), None
+    scale = None
+    if precision == "int8":
+        scale = weight.abs().amax(dim=1).clamp_min(1e-30) / 127.0
+        weight = torch.round(weight / scale[:, None]).to(torch.int8)
+    elif precision == "bf16":
+        weight = weight.to(torch.bfloat16)
+    return (pack_panels(weight) if layout == "packed" else weight), scale
+
+
 def pytest_configure(config):
     # Build (or load from cache) before tests start timing, and fail loudly if the build broke.
     from lightgen import _build

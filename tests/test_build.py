@@ -1,11 +1,12 @@
-"""The kernel loader: env report, fallback to references, strict mode, concurrent first builds."""
+"""The kernel loader: env report, fallback to references, strict mode, concurrent first builds, the cache shared
+by virtualenvs, the notices before and during a build, `lightgen build`, a CLI that starts without torch."""
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -44,15 +45,19 @@ def test_every_op_has_a_cuda_kernel_built_only_where_a_gpu_is():
 def test_env_report_lists_every_op_as_compiled():
     info = report()
     assert info["kernels_compiled"]
+    assert info["kernels_source"] in ("built", "built by another process", "loaded from cache")
+    assert f"kernels: compiled ({info['kernels_source']} in " in format_report(info)
     assert set(info["ops"]) == set(_build.schemas())
     assert all(where["cpu"] == "compiled" for where in info["ops"].values())
     assert "attention" in format_report(info)
 
 
 def test_transformers_outside_tested_range_is_refused():
-    with pytest.raises(ImportError, match="supports transformers >=5.24.0,<5.25.0"):
-        check_transformers_version("4.57.0")
-    check_transformers_version("5.24.0")
+    for outside in ("4.57.0", "5.20.2", "5.25.0"):
+        with pytest.raises(ImportError, match=r"supports transformers >=5.21.0,<5.25.0"):
+            check_transformers_version(outside)
+    for tested in ("5.21.1", "5.22.2", "5.23.0", "5.24.0"):
+        check_transformers_version(tested)
 
 
 @pytest.mark.slow
@@ -114,12 +119,159 @@ def test_two_processes_building_at_once_both_get_kernels(tmp_path):
 
 @pytest.mark.skipif(not _build.lock_file_blocks(), reason="this torch's build lock frees itself")
 def test_a_lock_left_by_a_killed_build_is_removed_with_a_warning(tmp_path):
+    """Under lightgen's own lock (which every build holds while cpp_extension's lock file exists) a lock file
+    can only be a killed build's: removed at once, not after 15 minutes of silent waiting."""
     lock = tmp_path / "lock"
     lock.touch()
-    _build.clear_stale_lock(tmp_path)  # a fresh lock belongs to a build in progress
-    assert lock.exists()
-    old = time.time() - _build.STALE_LOCK_SECONDS - 60
-    os.utime(lock, (old, old))
-    with pytest.warns(RuntimeWarning, match="removing a build lock left 16 minutes ago"):
+    with _build.build_lock(tmp_path, "C++"), pytest.warns(RuntimeWarning, match="removing a build lock left by"):
         _build.clear_stale_lock(tmp_path)
     assert not lock.exists()
+
+
+def test_cache_key_ignores_the_interpreter_prefix_and_follows_what_changes_the_binary(monkeypatch):
+    """Two virtualenvs with the same torch build share one cache folder (the old key held sys.prefix)."""
+    isa = _build.cpu_isa()
+    name = _build._cpu_build_name(isa)
+    for attribute in ("prefix", "exec_prefix", "executable"):
+        monkeypatch.setattr(sys, attribute, f"/elsewhere/venv-{attribute}")
+    assert _build._cpu_build_name(isa) == name
+    assert _build._cpu_build_name("AVX2" if isa != "AVX2" else "AVX512") != name
+    monkeypatch.setattr(_build, "_cpu_flags", lambda target: {"extra_cflags": ["-O2"]})
+    assert _build._cpu_build_name(isa) != name
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.version, "git_version", "another torch build")
+    assert _build._cpu_build_name(isa) != name
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "clang++-that-is-not-installed")
+    assert _build._cpu_build_name(isa) != name
+
+
+def test_a_second_virtualenv_with_the_same_torch_loads_the_cached_kernels(tmp_path):
+    """Another sys.prefix, the same torch: the library this session built is loaded, not compiled again."""
+    import sysconfig
+
+    status = _build.load()
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = next(venv.glob("lib/python*/site-packages"))
+    (site / "shared.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # this venv's torch, transformers
+    code = "import sys; from lightgen import _build; s = _build.load(); print(sys.prefix); print(s.source); " \
+           "print(s.library_path)"
+    result = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr
+    prefix, source, library = result.stdout.splitlines()
+    assert Path(prefix) == venv and Path(prefix) != Path(sys.prefix)
+    assert (source, library) == ("loaded from cache", status.library_path), result.stderr
+    assert "compiling" not in result.stderr
+
+
+def _cache_with_this_build(root: Path) -> Path:
+    """A cache folder under ``root`` holding this session's library under the name this machine expects,
+    without its marker: what a build in progress looks like."""
+    status = _build.load()
+    name = _build._cpu_build_name(status.isa)
+    build_dir = root / name
+    build_dir.mkdir(parents=True)
+    shutil.copy(status.library_path, build_dir / f"{name}.so")
+    return build_dir
+
+
+def test_a_process_waiting_on_another_build_says_so_and_loads_its_result(tmp_path):
+    build_dir = _cache_with_this_build(tmp_path)
+    code = "from lightgen import _build; _build.PROGRESS_SECONDS = 0.2; s = _build.load(); print(s.source, s.library_path)"
+    with _build.build_lock(build_dir, "C++"):  # this test plays the process that is building
+        waiting = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, cwd=ROOT, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+        first = waiting.stderr.readline()
+        assert f"waiting for process {os.getpid()}, which is compiling the C++ kernels in {build_dir}" in first
+        assert "s so far" in waiting.stderr.readline()  # and again while the wait lasts
+        (build_dir / "lightgen_build.json").write_text("{}")  # the build finished
+    out, err = waiting.communicate(timeout=600)
+    assert waiting.returncode == 0, err
+    source, library = out.strip().rsplit(" ", 1)
+    assert source == "built by another process" and Path(library).parent == build_dir, out
+    assert "compiling the C++ kernels for" not in err
+
+
+def test_the_build_notice_comes_before_compiling(tmp_path):
+    """The one-line notice (what, ISA, about how long, where cached) is printed before the compiler runs."""
+    compiler = tmp_path / "slow-c++"
+    started = tmp_path / "compiler-started"
+    compiler.write_text(f"#!/bin/sh\ntouch {started}\necho 'fatal: no' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    code = """
+        import sys
+        from pathlib import Path
+        from lightgen import _build
+        def notice(message):
+            print(message, "| compiler ran before:", Path(sys.argv[1]).exists())
+        _build.notice = notice
+        _build.load()
+    """
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(started)], capture_output=True,
+                            text=True, cwd=ROOT, timeout=600, check=False,
+                            env={**os.environ, "CXX": str(compiler), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
+    first = result.stdout.splitlines()[0]
+    assert re.fullmatch(rf"lightgen: compiling the C\+\+ kernels for {_build.cpu_isa()} \({len(_build.sources())} files\), about \d+ s on "
+                        rf"\d+ idle cores(; longer now: .*)?; once per machine and torch build, cached in "
+                        rf"{tmp_path / 'ext'}/lightgen_cpu_\w+ \| compiler ran before: False", first), first
+    assert started.exists()  # and then it did run
+
+
+def test_lightgen_build_fills_the_cache_that_load_then_finds(tmp_path, capsys):
+    """``lightgen build`` ahead of time; a later process loads that library from the cache."""
+    from lightgen.cli import main
+
+    main(["build"])
+    line = capsys.readouterr().out.strip().splitlines()[0]
+    status = _build.load()
+    assert line.startswith(f"lightgen: CPU kernels for {status.isa} {status.source} in ") and status.library_path in line
+    later = _run("from lightgen import _build; s = _build.load(); print(s.source, s.library_path)")
+    assert later.stdout.strip() == f"loaded from cache {status.library_path}", later.stderr
+
+
+def test_cli_help_and_plugin_dir_start_without_torch():
+    """``lightgen --help`` and ``lightgen fairseq-plugin-dir`` import neither torch nor transformers."""
+    code = """
+        import contextlib, io, sys
+        from lightgen.cli import main
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            try:
+                main(["--help"])
+            except SystemExit:
+                pass
+            main(["fairseq-plugin-dir"])
+        print(out.getvalue().splitlines()[-1])
+        print("torch" in sys.modules, "transformers" in sys.modules, "build" in out.getvalue())
+    """
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+    plugin, modules = result.stdout.splitlines()[-2:]
+    assert modules == "False False True"
+    assert Path(plugin) == ROOT / "lightgen" / "integrations" / "lightgen_fairseq"
+    assert {"__init__.py", "task.py"} <= {path.name for path in Path(plugin).iterdir()}
+
+
+def test_lazy_package_attributes_still_work():
+    code = """
+        import sys, lightgen
+        assert "torch" not in sys.modules
+        assert callable(lightgen.accelerate_model) and lightgen.ops.layer_norm_ref
+        from lightgen import adapters
+        print(lightgen.restore_model is adapters.restore_model)
+        try:
+            lightgen.no_such_thing
+        except AttributeError as error:
+            print(error)
+    """
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["True", "module 'lightgen' has no attribute 'no_such_thing'"]
+
+
+def test_the_wheel_ships_the_fairseq_plugin():
+    from setuptools import find_packages
+
+    assert "lightgen.integrations.lightgen_fairseq" in find_packages(ROOT, include=["lightgen*"])

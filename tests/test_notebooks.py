@@ -1,6 +1,7 @@
 """Every notebook in notebooks/ runs headless, top to bottom, without errors."""
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,11 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     for variable in ("JUPYTER_RUNTIME_DIR", "JUPYTER_DATA_DIR", "JUPYTER_CONFIG_DIR", "IPYTHONDIR"):
         monkeypatch.setenv(variable, str(tmp_path / variable.lower()))
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    # A kernel whose virtualenv is not on PATH (registered from another environment): console scripts are found
+    # beside sys.executable, not by name.
+    scripts = os.path.dirname(os.path.abspath(sys.executable))
+    monkeypatch.setenv("PATH", os.pathsep.join(entry for entry in os.environ.get("PATH", "").split(os.pathsep)
+                                               if os.path.abspath(entry) != scripts))
     notebook = nbformat.read(path, as_version=4)
     nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}}).execute()

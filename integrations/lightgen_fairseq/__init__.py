@@ -1,9 +1,5 @@
-"""lightgen for ``fairseq-interactive`` / ``fairseq-generate``: add two flags,
-``--user-dir integrations/lightgen_fairseq --task translation_lightgen``, and the same models
-translate on lightgen's decoder, with fairseq's own search deciding every token.
+"""The source tree's path to the fairseq plugin, ``--user-dir integrations/lightgen_fairseq``, kept working:
+the plugin itself is installed with the package, ``lightgen/integrations/lightgen_fairseq``
+(``lightgen fairseq-plugin-dir`` prints its folder)."""
 
-The folder is not called ``fairseq``: fairseq refuses a ``--user-dir`` whose name is already an
-importable module.
-"""
-
-from . import task  # noqa: F401  (registers translation_lightgen)
+from lightgen.integrations.lightgen_fairseq import task  # noqa: F401  (registers translation_lightgen)

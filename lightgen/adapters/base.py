@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from typing import Callable
 
 from torch import nn
+from transformers import GenerationMixin
 
 from lightgen.adapters._patch import Patcher
 from lightgen.generation import engine
 from lightgen.modules import attention as lg_attention
-from lightgen.modules.linear import check_precision, is_conv1d, linear_forward, linear_weights
+from lightgen.modules.decoder import NoEngine
+from lightgen.modules.linear import HEAD_PRECISION, check_precision, is_conv1d, linear_forward, linear_weights
 from lightgen.modules.norm import apply_norm, norm_kind
 
 PATCHER_ATTR = "_lightgen_patcher"
@@ -57,20 +60,25 @@ def _patch_norms(model: nn.Module, patcher: Patcher) -> None:
     """Every affine LayerNorm / RMSNorm not already inside a patched block runs the lightgen op."""
     for name, module in model.named_modules():
         kind = norm_kind(module)
-        if kind is not None:
+        if kind is not None and kind != "rms_offset":  # (1 + w) norms run a composite: nothing to patch
             patcher.replace_forward(module, apply_norm, f"{kind}_norm", name)
 
 
 def _patch_linears(model: nn.Module, patcher: Patcher, quantize: str | None, pack: bool) -> None:
     """Every nn.Linear and HF Conv1D runs the decode-shaped matmul where it pays."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     for name, module in model.named_modules():
         if not (isinstance(module, nn.Linear) or is_conv1d(module)):
             continue
-        weights = linear_weights(module, quantize, pack)
+        # int4 keeps the LM head at int8, as llama.cpp's 4-bit files keep their output tensor at 6-8 bits: on
+        # SmolLM2-135M a 4-bit head holds most of int4's error (benchmarks/quantize_quality.py).
+        precision = HEAD_PRECISION.get(quantize, quantize) if module is head else quantize
+        weights = linear_weights(module, precision, pack)
         if weights is not None:
             patcher.set(module, "_lightgen_linear", weights)
             layout = "packed" if weights.source else "in place"
-            patcher.replace_forward(module, linear_forward, f"linear {quantize or 'fp32'} {layout}", name)
+            patcher.replace_forward(module, linear_forward, f"linear {precision or 'fp32'} {layout}", name)
 
 
 def accelerate_model(model, *, quantize: str | None = None, pack: bool = True, **options):
@@ -78,9 +86,10 @@ def accelerate_model(model, *, quantize: str | None = None, pack: bool = True, *
 
     The parameters, buffers and ``state_dict()`` are untouched. Linear layers get a packed copy of
     their weight for decode-shaped matmuls (+100% of the fp32 linear weights' memory; ``pack=False``
-    runs them in their own layout, slower, at no extra memory). ``quantize="int8"`` (per-output-
-    channel weight-only int8, +25%) or ``"bf16"`` (+50%) makes that copy compact: faster and lossy;
-    the default float32 keeps outputs exact. Calling it twice with the same settings is a no-op;
+    runs them in their own layout, slower, at no extra memory). ``quantize="int8"`` (weight-only
+    int8 with a scale per 32 input features of a column, +28%), ``"int4"`` (4-bit with a scale and a
+    zero point per 32, +19%) or ``"bf16"`` (+50%) makes that copy compact: faster and lossy; the default
+    float32 keeps outputs exact. Calling it twice with the same settings is a no-op;
     ``restore_model`` undoes it.
     """
     if options:
@@ -108,14 +117,33 @@ def accelerate_model(model, *, quantize: str | None = None, pack: bool = True, *
         lg_attention.register()
         patcher.previous_attn_implementation = model.config._attn_implementation
         model.set_attn_implementation(lg_attention.IMPLEMENTATION)
-    decoder = adapter.decoder(model) if adapter.decoder else None
+    decoder, reason = _decoder(adapter, model)
     if decoder is not None:
         patcher.set(model, engine.DECODER_ATTR, decoder)
+        patcher.set(model, engine.ACCELERATE_ATTR, accelerate_model)
         patcher.set(model, "generate", types.MethodType(engine.accelerated_generate, model))
         patcher.set(model, "_prepare_cache_for_generation", types.MethodType(engine.deferred_cache_preparation,
                                                                               model))
+    elif isinstance(model, GenerationMixin):
+        # Never silently off the engine: generate warns (or raises under LIGHTGEN_STRICT=1) and keeps
+        # lightgen's own arguments away from HF's loop.
+        patcher.set(model, "generate", types.MethodType(functools.partial(engine.unaccelerated_generate,
+                                                                          reason=reason), model))
     patcher.set(model, PATCHER_ATTR, patcher)
     return model
+
+
+def _decoder(adapter: Adapter, model) -> tuple[object | None, str]:
+    """The engine's decoder for ``model``, or None and why not."""
+    if adapter.decoder is None:
+        return None, f"lightgen's engine does not run {adapter.family} models"
+    try:
+        decoder = adapter.decoder(model)
+    except NoEngine as reason:
+        return None, str(reason)
+    if decoder is None:
+        return None, f"lightgen's engine does not run {type(model).__name__} (it runs the family's LM-head models)"
+    return decoder, ""
 
 
 def _is_fairseq(model) -> bool:
@@ -159,4 +187,6 @@ def patched_summary(model) -> list[str]:
 
 
 # Family modules register themselves on import.
-from lightgen.adapters import bart, bert, gpt2, llama  # noqa: E402,F401
+from lightgen.adapters import (  # noqa: E402,F401
+    bart, bert, gemma, gpt2, gpt_neox, llama, m2m_100, opt, pegasus, phi3, qwen3, t5,
+)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from lightgen.adapters._blocks import first_cache, patch_matching
 from lightgen.adapters.base import Adapter, register_adapter
 from lightgen.modules.block import BlockSpec, activation_for, feed_forward, run_block
-from lightgen.modules.decoder import AttentionWeights, Decoder, DecoderLayerWeights, DecoderSpec
+from lightgen.modules.decoder import AttentionWeights, Decoder, DecoderLayerWeights, DecoderSpec, NoEngine
 
 
 def _block_spec(config) -> BlockSpec:
@@ -34,9 +34,12 @@ def patch_gpt2(model, patcher) -> None:
 
 
 def gpt2_decoder(model) -> Decoder | None:
-    """The static-cache decoder step for GPT2LMHeadModel (None for heads without an LM or with cross-attention)."""
-    if not hasattr(model, "lm_head") or model.config.add_cross_attention:
+    """The static-cache decoder step for GPT2LMHeadModel (None for heads without an LM)."""
+    if not hasattr(model, "lm_head"):
         return None
+    if model.config.add_cross_attention:
+        raise NoEngine("lightgen's engine runs GPT-2 without cross-attention, and this config sets "
+                       "add_cross_attention")
     transformer = model.transformer
     layers = tuple(
         DecoderLayerWeights(

@@ -89,7 +89,7 @@ def load_demo_model(dtype=None):
 
 
 def load_demo_drafter():
-    """The shipped demo model's GAD drafter (``lightgen.drafting.NARDrafter``, fp32, eval mode)."""
-    from lightgen.drafting import NARDrafter
+    """The shipped demo model's GAD drafter (a ``NARDrafter``, fp32, eval mode)."""
+    from lightgen.generation.drafting import NARDrafter
 
     return NARDrafter.from_pretrained(DRAFTER_DIR)

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from lightgen.demo import CORPUS, MODEL_DIR, correct, held_out_pairs, split
-from lightgen.drafting import pad_rows
 from lightgen.demo.noise import Noiser, join, number_pairs, score, words
+from lightgen.generation.tokens import pad_rows
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 _ALLOWED = re.compile(r"[A-Za-z ,.;'\-]+")

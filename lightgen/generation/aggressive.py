@@ -7,7 +7,7 @@ own lengths; finished rows leave the batch (and the drafter's batch).
 
 - IAD (input-guided): the draft is copied from the input, after the shortest output suffix (1-3
   tokens) found exactly once in it; without one the row takes an ordinary greedy step.
-- GAD (generalized): a drafter (``lightgen.drafting``) proposes ``block_size`` tokens. Acceptance
+- GAD (generalized): a drafter (``lightgen.generation.drafting``) proposes ``block_size`` tokens. Acceptance
   is greedy's own choice (top-1), so the output equals greedy; GAD++ (``beta`` > 1) also accepts a
   draft token among the verifier's top-``beta`` whose log-probability is within ``tau`` of the top-1.
 """
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from lightgen import ops
-from lightgen.drafting import pad_rows
 from lightgen.generation.draft_policy import DraftPolicy, FixedPassCost, PassCost, measured_cost  # noqa: F401
+from lightgen.generation.tokens import pad_rows
 from lightgen.modules.decoder import Decoder
 
 SUFFIX_LENGTHS = (1, 2, 3)
@@ -181,10 +181,11 @@ class DraftBudget:
 
 def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: DraftSession, eos_ids: set[int],
                       pad_token_id: int, max_length: int, max_draft: int | DraftBudget,
-                      acceptance: Acceptance = GREEDY, forced_eos: int | None = None, *,
+                      acceptance: Acceptance = GREEDY, forced_eos: int | None = None, streamer=None, *,
                       pass_cost: PassCost | None = None) -> tuple[torch.Tensor, list[list[int]]]:
     """Greedy decoding (or GAD++'s relaxation of it), accelerated by ``drafter``'s guesses; a row that
-    reaches ``max_length`` ends with ``forced_eos`` when given.
+    reaches ``max_length`` ends with ``forced_eos`` when given. A ``streamer`` (one row only) gets each
+    pass's new tokens, [1, n], as from HF's assisted decoding.
 
     ``max_draft``: the most draft tokens per row and pass, or a ``DraftBudget`` that sets it from the
     number of rows still decoding; within it ``DraftPolicy`` drafts less where drafts keep being rejected,
@@ -237,6 +238,8 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
         sequences.index_put_((live[:, None].expand_as(columns)[kept], columns[kept]), new_tokens[kept])
         lengths[live] += taken
         history.append((live, taken))
+        if streamer is not None:
+            streamer.put(new_tokens[:1, :int(taken[0])].cpu())
         state.roll_back(width - accepted)
         finished = ended | full
         if bool(finished.all()):
@@ -271,7 +274,8 @@ def _draft_and_verify(decoder, state, drafter, policy: DraftPolicy, sequences, l
     row_lengths = lengths[live]
     # The verifier's own token needs one more place after the draft.
     sizes = policy.plan((max_length - row_lengths - 1).clamp(max=max_draft))
-    drafts = _draft(drafter, live, sequences, row_lengths, sizes.to(live.device))
+    drafts = _within_vocabulary(_draft(drafter, live, sequences, row_lengths, sizes.to(live.device)),
+                                decoder.spec.token_embedding.shape[0])
     draft_lengths = (drafts >= 0).sum(-1)
     drafts = drafts[:, :policy.width(draft_lengths)]
     draft_lengths = draft_lengths.clamp(max=drafts.shape[1])
@@ -296,6 +300,13 @@ def _draft_and_verify(decoder, state, drafter, policy: DraftPolicy, sequences, l
         torch.cuda.synchronize(best.device)
     policy.timed(tokens.numel(), time.perf_counter() - started)
     return logits, best, drafts
+
+
+def _within_vocabulary(drafts: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A drafter only proposes: a draft ends before its first id outside the vocabulary (negative, or past
+    the embedding), which greedy could never have chosen, so the verifier's own token takes its place."""
+    outside = (drafts < 0) | (drafts >= vocab)  # -1 after a draft's end counts too: it stays -1
+    return drafts.masked_fill(outside.cummax(-1).values, -1) if bool(outside.any()) else drafts
 
 
 def _draft(drafter, live: torch.Tensor, sequences, row_lengths, sizes) -> torch.Tensor:

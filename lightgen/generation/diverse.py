@@ -16,8 +16,15 @@ row (``batch_index * num_beams + beam``) each token was chosen from, so one grou
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
+from transformers.generation.logits_process import LogitsProcessorList
+
+# Processor state with one entry per row of the whole batch x beams (transformers 5's repetition penalty
+# skips each row's left padding); a group's call sees only its rows.
+_PER_ROW_STATE = {"RepetitionPenaltyLogitsProcessor": ("prompt_ignore_length",)}
 
 
 class Hypotheses:
@@ -62,6 +69,20 @@ def _hamming_penalty(scores, current_tokens, group, group_size, num_beams, penal
     return scores - penalty * counts.repeat_interleave(group_size, dim=0)
 
 
+def _for_rows(logits_processor, rows: int, members: torch.Tensor) -> LogitsProcessorList:
+    """The processors as a call on the batch's rows ``members`` sees them: per-row state narrowed."""
+    narrowed = LogitsProcessorList()
+    for processor in logits_processor:
+        state = {name: getattr(processor, name) for name in _PER_ROW_STATE.get(type(processor).__name__, ())}
+        state = {name: value[members.to(value.device)] for name, value in state.items()
+                 if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == rows}
+        if state:
+            processor = copy.copy(processor)
+            vars(processor).update(state)
+        narrowed.append(processor)
+    return narrowed
+
+
 def group_beam_search(decoder, state, input_ids, prompt_positions, logits_processor, stopping_criteria,
                       generation_config, output_class):
     num_beams, groups = generation_config.num_beams, generation_config.num_beam_groups
@@ -85,6 +106,7 @@ def group_beam_search(decoder, state, input_ids, prompt_positions, logits_proces
     beam_scores = beam_scores.view(-1)
     group_rows = [torch.tensor([b * num_beams + g * group_size + j for b in range(batch) for j in range(group_size)],
                                device=device) for g in range(groups)]
+    group_processors = [_for_rows(logits_processor, rows, members) for members in group_rows]
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     all_scores = () if keep_scores else None
@@ -103,7 +125,7 @@ def group_beam_search(decoder, state, input_ids, prompt_positions, logits_proces
             scores = nn.functional.log_softmax(logits[members], dim=-1)
             scores = _hamming_penalty(scores, current_tokens, group, group_size, num_beams,
                                       generation_config.diversity_penalty or 0.0)
-            scores = logits_processor(group_sequences, scores)
+            scores = group_processors[group](group_sequences, scores)
             if keep_scores:
                 processed[members] = scores
             vocab = scores.shape[-1]

@@ -30,6 +30,7 @@ from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
 )
 from transformers.generation.utils import (
+    ALL_CACHE_NAMES,
     GENERATION_MODES_MAPPING,
     GenerateBeamDecoderOnlyOutput,
     GenerateBeamEncoderDecoderOutput,
@@ -39,7 +40,7 @@ from transformers.generation.utils import (
 )
 
 from lightgen import _build, ops
-from lightgen.drafting import start_session
+from lightgen.generation import hf_cache
 from lightgen.generation.aggressive import (
     Acceptance,
     AggressiveDecoderOnlyOutput,
@@ -49,24 +50,27 @@ from lightgen.generation.aggressive import (
     aggressive_greedy,
 )
 from lightgen.generation.diverse import group_beam_search
+from lightgen.generation.drafting import start_session
 from lightgen.memory import cached_cpu_memory
+from lightgen.modules.decoder import ACCELERATE_ATTR, DECODER_ATTR
 from lightgen.modules.inference import skips_hooks
-
-DECODER_ATTR = "_lightgen_decoder"
 
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
                    GenerationMode.BEAM_SAMPLE, GenerationMode.GROUP_BEAM_SEARCH)
 
 # generate() arguments that need HF's own loop (they observe or replace model internals).
 HF_ONLY_ARGUMENTS = (
-    "streamer", "assistant_model", "assistant_tokenizer", "prompt_lookup_num_tokens", "synced_gpus",
-    "custom_generate", "inputs_embeds", "decoder_inputs_embeds", "decoder_attention_mask", "cache",
-    "past_key_values", "output_attentions", "output_hidden_states", "head_mask", "decoder_head_mask",
-    "cross_attn_head_mask", "cache_implementation",
+    "assistant_model", "assistant_tokenizer", "prompt_lookup_num_tokens", "synced_gpus",
+    "custom_generate", "inputs_embeds", "decoder_inputs_embeds",
+    "output_attentions", "output_hidden_states", "head_mask", "decoder_head_mask",
+    "cross_attn_head_mask",
 )
+# Cache kinds whose values differ from the exact ones lightgen's loop computes (or that leave generate()).
+HF_ONLY_CACHE_IMPLEMENTATIONS = ("quantized", "paged")
 
 # Keys HF leaves in model_kwargs that the lightgen loop understands (the rest mean a fallback).
-_KNOWN_MODEL_KWARGS = {"attention_mask", "encoder_outputs", "cache", "use_cache", "logits_to_keep", "position_ids"}
+_KNOWN_MODEL_KWARGS = {"attention_mask", "encoder_outputs", "use_cache", "logits_to_keep", "position_ids",
+                       "decoder_attention_mask", *ALL_CACHE_NAMES}
 
 
 class UnsupportedGenerateArgument(ValueError):
@@ -78,6 +82,17 @@ def _fall_back(reason: str, instead: str = "Hugging Face's own generate loop") -
         raise UnsupportedGenerateArgument(f"lightgen generate: {reason} (LIGHTGEN_STRICT=1 forbids the fallback to "
                                           f"{instead})")
     warnings.warn(f"lightgen generate: {reason}; running {instead} instead", RuntimeWarning, stacklevel=4)
+
+
+def _check_lightgen_arguments(decoding, max_draft, block_size, drafter, beta, tau) -> None:
+    if decoding not in ("auto", "iad", "gad"):
+        raise ValueError(f"lightgen generate: decoding must be 'auto', 'iad' or 'gad', got {decoding!r}")
+    if (max_draft is not None and max_draft < 1) or block_size < 1:
+        raise ValueError(f"lightgen generate: max_draft and block_size must be >= 1, got {max_draft}, {block_size}")
+    if (decoding == "gad") != (drafter is not None):
+        raise ValueError("lightgen generate: decoding='gad' needs a drafter, and a drafter needs decoding='gad'")
+    if decoding != "gad" and (beta != 1 or tau != 0.0):
+        raise ValueError("lightgen generate: beta and tau (GAD++) apply to decoding='gad' only")
 
 
 def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, *, decoding: str = "auto",
@@ -92,45 +107,44 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     list per row) replaces the input as the text drafts are copied from.
 
     ``decoding="gad"`` drafts ``block_size`` tokens per pass with ``drafter`` (see
-    ``lightgen.drafting``): the same tokens as greedy with ``beta=1``; GAD++ (``beta`` > 1) also
+    ``lightgen.generation.drafting``): the same tokens as greedy with ``beta=1``; GAD++ (``beta`` > 1) also
     accepts a drafted token among the verifier's top-``beta`` within ``tau`` of the top-1's log-probability.
     """
     if kwargs.get("assistant_model") is not None and kwargs.get("assistant_tokenizer") is None and decoding == "auto":
         # HF's assisted decoding, batched: the assistant drafts for GAD (greedy: the same tokens as HF's).
         decoding, drafter = "gad", kwargs.pop("assistant_model")
-    if decoding not in ("auto", "iad", "gad"):
-        raise ValueError(f"lightgen generate: decoding must be 'auto', 'iad' or 'gad', got {decoding!r}")
-    if (max_draft is not None and max_draft < 1) or block_size < 1:
-        raise ValueError(f"lightgen generate: max_draft and block_size must be >= 1, got {max_draft}, {block_size}")
-    if (decoding == "gad") != (drafter is not None):
-        raise ValueError("lightgen generate: decoding='gad' needs a drafter, and a drafter needs decoding='gad'")
-    if decoding != "gad" and (beta != 1 or tau != 0.0):
-        raise ValueError("lightgen generate: beta and tau (GAD++) apply to decoding='gad' only")
+    if kwargs.get("prompt_lookup_num_tokens") and decoding == "auto" and _greedy_call(model, generation_config, kwargs):
+        # HF's prompt lookup decoding is IAD: drafts copied from the prompt (batched here; HF takes one row).
+        decoding, max_draft = "iad", kwargs.pop("prompt_lookup_num_tokens")
+    _check_lightgen_arguments(decoding, max_draft, block_size, drafter, beta, tau)
     aggressive = None
     if decoding != "auto":
         aggressive = Aggressive(drafter=drafter, draft_ids=draft_ids, acceptance=Acceptance(beta, tau),
                                 max_draft=block_size if decoding == "gad" else max_draft or DraftBudget())
     original = type(model).generate
     input_ids = inputs if inputs is not None else kwargs.get("input_ids")
-    if isinstance(input_ids, torch.Tensor) and (input_ids.dim() != 2 or input_ids.shape[0] == 0):
-        raise ValueError(f"lightgen generate: input_ids must be a non-empty [batch, length] tensor, got shape "
-                         f"{tuple(input_ids.shape)}")
-    for name in HF_ONLY_ARGUMENTS:
-        value = kwargs.get(name)
-        if value is not None and value is not False:
-            _fall_back(f"argument '{name}' is not supported by lightgen's engine")
-            return original(model, inputs, generation_config, **kwargs)
-    if kwargs.get("use_cache") is False:
-        _fall_back("use_cache=False is not supported by lightgen's engine")
-        return original(model, inputs, generation_config, **kwargs)
+    if isinstance(input_ids, torch.Tensor) and (input_ids.dim() != 2 or 0 in input_ids.shape):
+        raise ValueError(f"lightgen generate: input_ids must be a non-empty [batch, length] tensor (at least one "
+                         f"row and one token), got shape {tuple(input_ids.shape)}")
+    reason = next((f"argument '{name}' is not supported by lightgen's engine" for name in HF_ONLY_ARGUMENTS
+                   if kwargs.get(name) is not None and kwargs.get(name) is not False), None)
+    if reason is None and kwargs.get("cache_implementation") in HF_ONLY_CACHE_IMPLEMENTATIONS:
+        reason = f"cache_implementation='{kwargs['cache_implementation']}' is not supported by lightgen's engine"
     # lightgen's decoder reads weights directly, so it would skip hooks on the model's modules.
-    hooked = next((name for name, module in model.named_modules() if skips_hooks(module)), None)
+    hooked = None if reason else next((name for name, module in model.named_modules() if skips_hooks(module)), None)
     if hooked is not None:
         kind = "accelerate hooks (offloaded or dispatched weights)" if "_hf_hook" in vars(
             model.get_submodule(hooked)) else "forward hooks"
-        _fall_back(f"module '{hooked or type(model).__name__}' carries {kind}")
-        return original(model, inputs, generation_config, **kwargs)
-    decode = functools.partial(lightgen_decode, aggressive=aggressive)
+        reason = f"module '{hooked or type(model).__name__}' carries {kind}"
+    dropout = None if reason else _active_dropout(model)
+    if dropout is not None:  # HF's loop applies it; lightgen's decoder runs inference only
+        reason = f"module '{dropout}' applies dropout in train() mode (call model.eval() for lightgen's engine)"
+    if reason is not None:
+        return unaccelerated_generate(model, inputs, generation_config, reason=reason, decoding=decoding,
+                                      max_draft=max_draft, draft_ids=draft_ids, drafter=drafter,
+                                      block_size=block_size, beta=beta, tau=tau, **kwargs)
+    # HF hands a streamer only to its own loops; it still streams the prompt itself.
+    decode = functools.partial(lightgen_decode, aggressive=aggressive, streamer=kwargs.get("streamer"))
     _deferred.pending = True
     try:
         with cached_cpu_memory():
@@ -138,6 +152,52 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     finally:
         _deferred.pending = False
         _deferred.call = None
+
+
+def unaccelerated_generate(model: nn.Module, inputs=None, generation_config=None, *, reason: str,
+                           decoding: str = "auto", max_draft: int | None = None, draft_ids=None, drafter=None,
+                           block_size: int = 8, beta: int = 1, tau: float = 0.0, **kwargs):
+    """``model.generate`` after ``accelerate_model`` for a model lightgen's engine cannot run (``reason``): HF's
+    loop on the patched layers, with the fallback warning. lightgen's own arguments never reach HF: IAD and GAD
+    give greedy's tokens, so they are dropped (the warning says so); GAD++ (``beta`` > 1) changes the tokens, so
+    it is an error."""
+    _check_lightgen_arguments(decoding, max_draft, block_size, drafter, beta, tau)
+    if beta != 1 or tau != 0.0:
+        raise ValueError(f"lightgen generate: GAD++ (beta={beta}, tau={tau}) needs lightgen's engine, and {reason}")
+    ours = [name for name, given in (("decoding", decoding != "auto"), ("max_draft", max_draft is not None),
+                                     ("draft_ids", draft_ids is not None), ("drafter", drafter is not None),
+                                     ("block_size", block_size != 8)) if given]
+    dropped = f" (without lightgen's {', '.join(ours)}: greedy's tokens)" if ours else ""
+    _fall_back(f"{reason}{dropped}")
+    return type(model).generate(model, inputs, generation_config, **kwargs)
+
+
+_DROPOUT_ATTRIBUTES = ("dropout", "attention_dropout", "activation_dropout", "layerdrop")
+
+
+def _active_dropout(model: nn.Module) -> str | None:
+    """The first module in train() mode with a nonzero dropout (nn.Dropout, or the float rates HF's modules
+    pass to F.dropout), or None."""
+    for name, module in model.named_modules():
+        if not module.training:
+            continue
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            if module.p > 0:
+                return name or type(model).__name__
+        elif any(isinstance(rate, float) and rate > 0 for rate in map(vars(module).get, _DROPOUT_ATTRIBUTES)):
+            return name or type(model).__name__
+    return None
+
+
+def _greedy_call(model, generation_config, kwargs) -> bool:
+    """Whether generate's arguments ask for greedy search (argument, then ``generation_config``, then the model's)."""
+    def setting(name):
+        for source in (kwargs, vars(generation_config) if generation_config is not None else {},
+                       vars(model.generation_config)):
+            if source.get(name) is not None:
+                return source[name]
+        return None
+    return not setting("do_sample") and (setting("num_beams") or 1) == 1
 
 
 # HF's generate builds its KV cache object before it hands over to lightgen's loop, which never reads it;
@@ -163,8 +223,17 @@ def _prepare_deferred_cache(model, model_kwargs: dict) -> None:
     _deferred.call = None
     generation_config, hf_model_kwargs, args, kwargs = call
     type(model)._prepare_cache_for_generation(model, generation_config, hf_model_kwargs, *args, **kwargs)
-    if "cache" in hf_model_kwargs:
-        model_kwargs["cache"] = hf_model_kwargs["cache"]
+    model_kwargs.update((name, hf_model_kwargs[name]) for name in ALL_CACHE_NAMES if name in hf_model_kwargs)
+
+
+def _hf_cache(model, generation_config, model_kwargs):
+    """The cache HF's loop would return or extend (the caller's, or the one HF prepares for this call), built
+    only when the call returns it or the caller passed one; None otherwise."""
+    if not generation_config.return_dict_in_generate and hf_cache.cache_key(model_kwargs) is None:
+        return None
+    _prepare_deferred_cache(model, model_kwargs)
+    key = hf_cache.cache_key(model_kwargs)
+    return model_kwargs[key] if key is not None else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,24 +254,40 @@ class Aggressive:
         return "iad" if self.drafter is None else "gad"
 
 
-def _unsupported(generation_config, model_kwargs) -> str | None:
+def _unsupported(generation_config, model_kwargs, input_ids) -> str | None:
     mode = generation_config.get_generation_mode()
     if mode not in SUPPORTED_MODES:
         return f"generation mode '{mode.value}' is not supported"
     for flag in ("output_attentions", "output_hidden_states", "low_memory"):
         if getattr(generation_config, flag, False):
             return f"'{flag}=True' is not supported"
-    if generation_config.use_cache is False:
-        return "use_cache=False is not supported"
+    if generation_config.cache_implementation in HF_ONLY_CACHE_IMPLEMENTATIONS:
+        return f"cache_implementation='{generation_config.cache_implementation}' is not supported"
     unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _KNOWN_MODEL_KWARGS)
     if unknown:
         return f"model inputs {unknown} are not supported"
+    decoder_mask = model_kwargs.get("decoder_attention_mask")
+    if decoder_mask is not None and decoder_mask.shape != input_ids.shape:
+        return f"a decoder_attention_mask of shape {tuple(decoder_mask.shape)} for decoder inputs of shape " \
+               f"{tuple(input_ids.shape)} is not supported"
+    key = hf_cache.cache_key(model_kwargs)
+    if key is not None:
+        reason = hf_cache.unsupported(model_kwargs[key], input_ids.shape[0])
+        if reason is not None:
+            return f"continuing from {reason} is not supported"
+        if mode == GenerationMode.GROUP_BEAM_SEARCH:
+            return "group beam search does not continue from a cache"
     return None
 
 
-def _aggressive_unsupported(name, generation_config, logits_processor, stopping_criteria) -> str | None:
+def _aggressive_unsupported(name, generation_config, logits_processor, stopping_criteria, rows, streamer,
+                            model_kwargs) -> str | None:
     if generation_config.get_generation_mode() != GenerationMode.GREEDY_SEARCH:
         return f"decoding='{name}' is greedy decoding (num_beams=1, do_sample=False)"
+    if streamer is not None and rows > 1:
+        return f"decoding='{name}' streams one row (as HF's assisted decoding), not {rows}"
+    if hf_cache.cache_key(model_kwargs) is not None:
+        return f"decoding='{name}' does not continue from a cache"
     others = [p for p in logits_processor if not isinstance(p, ForcedEOSTokenLogitsProcessor)]
     if others:
         names = ", ".join(type(p).__name__ for p in others)
@@ -216,16 +301,19 @@ def _aggressive_unsupported(name, generation_config, logits_processor, stopping_
 
 
 def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, inputs_tensor=None,
-                    aggressive: Aggressive | None = None, **model_kwargs):
+                    aggressive: Aggressive | None = None, streamer=None, **model_kwargs):
     """HF ``custom_generate`` callable: greedy, sampling and beam search on lightgen's decoder, and
     aggressive decoding (IAD, GAD) for greedy."""
+    if streamer is not None and generation_config.num_beams > 1:  # HF's refusal, word for word
+        raise ValueError("`streamer` cannot be used with beam search (yet!). Make sure that `num_beams` is set to 1.")
     if aggressive is not None:
-        reason = _aggressive_unsupported(aggressive.name, generation_config, logits_processor, stopping_criteria)
+        reason = _aggressive_unsupported(aggressive.name, generation_config, logits_processor, stopping_criteria,
+                                         input_ids.shape[0], streamer, model_kwargs)
         if reason is None:
             return _aggressive(model, input_ids, inputs_tensor, generation_config, logits_processor, aggressive,
-                               model_kwargs)
+                               streamer, model_kwargs)
         _fall_back(reason, instead=f"lightgen's loop without decoding='{aggressive.name}'")
-    reason = _unsupported(generation_config, model_kwargs)
+    reason = _unsupported(generation_config, model_kwargs, input_ids)
     if reason is None:
         logits_processor = _without_vocabulary_scans(logits_processor)
     else:
@@ -237,35 +325,62 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
         _fall_back(reason)
         _prepare_deferred_cache(model, model_kwargs)
         hf_method = getattr(GenerationMixin, hf_method_name)
+        if streamer is not None:
+            model_kwargs["streamer"] = streamer
         return hf_method(model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                          generation_config=generation_config, synced_gpus=False, **model_kwargs)
+    group_beams = generation_config.get_generation_mode() == GenerationMode.GROUP_BEAM_SEARCH
+    cache = None if group_beams else _hf_cache(model, generation_config, model_kwargs)
     decoder = getattr(model, DECODER_ATTR)
     embedding = decoder.spec.token_embedding
-    start = dict(rows=input_ids.shape[0], max_len=generation_config.max_length, dtype=embedding.dtype,
-                 device=embedding.device)
+    mask_key = "decoder_attention_mask" if model.config.is_encoder_decoder else "attention_mask"
+    past = hf_cache.past_length(cache) if cache is not None else 0
+    # HF feeds the input after the cached positions, or (without a mask of the input's length) all of it again.
+    cached = hf_cache.cached_prompt(past, input_ids, model_kwargs.get(mask_key), generation_config)
+    start = dict(rows=input_ids.shape[0], max_len=generation_config.max_length + past - cached, dtype=embedding.dtype,
+                 device=embedding.device, prompt_mask=model_kwargs.get(mask_key))
     if model.config.is_encoder_decoder:
         state = decoder.start(**start, encoder_hidden=model_kwargs["encoder_outputs"][0],
                               encoder_mask=model_kwargs.get("attention_mask"),
                               expand=max(generation_config.num_beams, generation_config.num_return_sequences))
     else:
-        state = decoder.start(**start, prompt_mask=model_kwargs.get("attention_mask"))
+        state = decoder.start(**start)
     outputs = _OUTPUTS[model.config.is_encoder_decoder]
     prompt_positions = model_kwargs.get("position_ids")
     try:
-        if generation_config.get_generation_mode() == GenerationMode.GROUP_BEAM_SEARCH:
-            return group_beam_search(decoder, state, input_ids, prompt_positions, logits_processor,
-                                     stopping_criteria, generation_config, outputs[1])
-        if generation_config.num_beams > 1:
-            return _beam_search(model, decoder, state, input_ids, prompt_positions, logits_processor,
-                                stopping_criteria, generation_config, outputs[1])
-        return _greedy_or_sample(decoder, state, input_ids, prompt_positions, logits_processor, stopping_criteria,
-                                 generation_config, outputs[0])
+        if cache is not None:
+            hf_cache.load(state, cache)
+            state.cached_prompt = cached
+        if group_beams:
+            result = group_beam_search(decoder, state, input_ids, prompt_positions, logits_processor,
+                                       stopping_criteria, generation_config, outputs[1])
+        elif generation_config.num_beams > 1:
+            result = _beam_search(model, decoder, state, input_ids, prompt_positions, logits_processor,
+                                  stopping_criteria, generation_config, outputs[1], cache is not None)
+        else:
+            result = _greedy_or_sample(decoder, state, input_ids, prompt_positions, logits_processor,
+                                       stopping_criteria, generation_config, outputs[0], streamer, cache is not None)
+        if cache is not None:
+            hf_cache.store(state, cache, past)
+        return hf_cache.with_cache(result, cache) if generation_config.return_dict_in_generate else result
     finally:
         state.release()
 
 
+def _first_step(decoder, state, input_ids, prompt_positions):
+    """The prompt pass: the tokens after those a caller's cache holds (all of them without one)."""
+    cached = state.cached_prompt
+    if cached == 0:
+        return decoder.step(state, input_ids, prompt_positions)
+    if cached >= input_ids.shape[1]:
+        raise ValueError(f"lightgen generate: the cache holds {cached} positions and the input has "
+                         f"{input_ids.shape[1]}: continuing needs at least one token after the cached ones")
+    return decoder.step(state, input_ids[:, cached:],
+                        None if prompt_positions is None else prompt_positions[:, cached:])
+
+
 def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_processor, aggressive: Aggressive,
-                model_kwargs):
+                streamer, model_kwargs):
     decoder = getattr(model, DECODER_ATTR)
     embedding = decoder.spec.token_embedding
     # Spare cache room for the padding after short drafts, which is written and then rolled back.
@@ -286,11 +401,14 @@ def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_proce
         encoder_outputs = model_kwargs.get("encoder_outputs")
         drafts = start_session(aggressive.drafter, sources=sources, source_ids=source, source_mask=mask,
                                max_length=generation_config.max_length, max_draft=aggressive.longest_draft,
-                               encoder_hidden=encoder_outputs[0] if encoder_outputs is not None else None)
+                               encoder_hidden=encoder_outputs[0] if encoder_outputs is not None else None,
+                               accelerate=getattr(model, ACCELERATE_ATTR))
     eos = generation_config._eos_token_tensor
     pad = generation_config._pad_token_tensor
     # Forcing EOS at the last position picks the lowest forced id, as argmax over HF's scores does.
     forced = [int(p.eos_token_id.min()) for p in logits_processor if isinstance(p, ForcedEOSTokenLogitsProcessor)]
+    # One row keeps every position to the end (finished rows leave the batch): its cache can be returned.
+    cache = _hf_cache(model, generation_config, model_kwargs) if input_ids.shape[0] == 1 else None
     try:
         if model.config.is_encoder_decoder:
             state = decoder.start(**start, encoder_hidden=model_kwargs["encoder_outputs"][0], encoder_mask=mask)
@@ -301,16 +419,21 @@ def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_proce
                 decoder, state, input_ids, model_kwargs.get("position_ids"), drafts,
                 set(eos.tolist()) if eos is not None else set(), int(pad) if pad is not None else 0,
                 generation_config.max_length, aggressive.max_draft, aggressive.acceptance,
-                forced[0] if forced else None)
+                forced[0] if forced else None, streamer)
+            if cache is not None:  # the last pass may have verified past an EOS or the length limit
+                state.cache.length = sequences.shape[1] - 1
+                hf_cache.store(state, cache, 0)
         finally:
             state.release()
     finally:
         drafts.close()
+    if streamer is not None:
+        streamer.end()
     if not generation_config.return_dict_in_generate:
         return sequences
     output_class = AggressiveEncoderDecoderOutput if model.config.is_encoder_decoder else AggressiveDecoderOnlyOutput
-    return output_class(sequences=sequences, iterations=torch.tensor([len(row) for row in gained]),
-                        tokens_per_iteration=tuple(torch.tensor(row) for row in gained))
+    return hf_cache.with_cache(output_class(sequences=sequences, iterations=torch.tensor([len(row) for row in gained]),
+                                            tokens_per_iteration=tuple(torch.tensor(row) for row in gained)), cache)
 
 
 # is_encoder_decoder -> (sampling output class, beam output class), as HF returns them.
@@ -374,7 +497,8 @@ def _row_wise(processor, rows: int) -> bool:
 
 def _can_drop_finished_rows(state, rows, generation_config, logits_processor, stopping_criteria) -> bool:
     """Greedy rows that finished early stop costing compute, when nothing observes the full batch:
-    sampling draws from the RNG per row of the full batch, and scores/logits are reported per row."""
+    sampling draws from the RNG per row of the full batch, and scores/logits are reported per row
+    (a streamer and a returned cache also see every row: the callers check those)."""
     return (not generation_config.do_sample and state.expand == 1
             and not (generation_config.return_dict_in_generate
                      and (generation_config.output_scores or generation_config.output_logits))
@@ -382,8 +506,9 @@ def _can_drop_finished_rows(state, rows, generation_config, logits_processor, st
 
 
 def _greedy_or_sample(decoder, state, input_ids, prompt_positions, logits_processor, stopping_criteria,
-                      generation_config, output_class):
-    """HF's ``_sample`` semantics: same processors, same RNG calls, same stopping and padding."""
+                      generation_config, output_class, streamer=None, keep_every_row=False):
+    """HF's ``_sample`` semantics: same processors, same RNG calls, same stopping and padding, the same
+    streamer calls. ``keep_every_row``: the cache is returned, so finished rows stay in it."""
     rows, cur_len = input_ids.shape
     pad_token_id = generation_config._pad_token_tensor
     has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
@@ -391,15 +516,15 @@ def _greedy_or_sample(decoder, state, input_ids, prompt_positions, logits_proces
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores = () if keep_scores else None
     raw_logits = () if keep_logits else None
-    drop_finished = has_eos_stopping_criteria and _can_drop_finished_rows(state, rows, generation_config,
-                                                                          logits_processor, stopping_criteria)
+    drop_finished = (has_eos_stopping_criteria and streamer is None and not keep_every_row
+                     and _can_drop_finished_rows(state, rows, generation_config, logits_processor, stopping_criteria))
 
     sequences = torch.empty((rows, generation_config.max_length), dtype=input_ids.dtype, device=input_ids.device)
     sequences[:, :cur_len] = input_ids
     output = None  # [rows, max_length] once finished rows have been dropped from ``sequences``
     live_rows = None  # which output row each row of ``sequences`` is, after a drop
     unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
-    logits = decoder.step(state, input_ids, prompt_positions)
+    logits = _first_step(decoder, state, input_ids, prompt_positions)
     while True:
         if keep_logits:  # before the processors, which may write in place
             raw_logits += (logits.clone(),)
@@ -415,6 +540,8 @@ def _greedy_or_sample(decoder, state, input_ids, prompt_positions, logits_proces
         sequences[:, cur_len] = next_tokens
         cur_len += 1
         unfinished = unfinished & ~stopping_criteria(sequences[:, :cur_len], scores)
+        if streamer is not None:
+            streamer.put(next_tokens.cpu())
         if unfinished.max() == 0:
             break
         if drop_finished and not unfinished.all():
@@ -429,6 +556,8 @@ def _greedy_or_sample(decoder, state, input_ids, prompt_positions, logits_proces
             state.keep_rows(keep)
         logits = decoder.step(state, next_tokens[:, None])
 
+    if streamer is not None:
+        streamer.end()
     if output is None:
         output = sequences
     else:
@@ -445,8 +574,20 @@ def _r_top_k_continuations(model, log_probs, running_beam_scores, running_sequen
     R-top-k kernel, which returns the same candidates in the same order."""
     batch_size, num_beams = running_beam_scores.shape
     vocab_size = log_probs.shape[-1]
-    topk_log_probs, topk_indices, _ = ops.beam_topk(log_probs, running_beam_scores.reshape(-1), num_beams,
-                                                    beams_to_keep, apply_log_softmax)
+    try:
+        topk_log_probs, topk_indices, _ = ops.beam_topk(log_probs, running_beam_scores.reshape(-1), num_beams,
+                                                        beams_to_keep, apply_log_softmax)
+    except RuntimeError as error:
+        if not ops.refuses_non_finite(error):
+            raise
+        # The kernel refuses NaN and +inf (NaN weights, a processor writing +inf); HF's composite ranks them.
+        if apply_log_softmax:
+            log_probs = nn.functional.log_softmax(log_probs, dim=-1)
+        accumulated = log_probs.view(batch_size, num_beams, vocab_size) + running_beam_scores[:, :, None]
+        return model._get_top_k_continuations(
+            accumulated_log_probs=accumulated.reshape(batch_size, -1), running_sequences=running_sequences,
+            running_beam_indices=running_beam_indices, cur_len=cur_len, decoder_prompt_len=decoder_prompt_len,
+            do_sample=False, beams_to_keep=beams_to_keep, num_beams=num_beams, batch_size=batch_size)
     topk_current_beam_indices = topk_indices // vocab_size
     topk_running_beam_indices = model._gather_beams(running_beam_indices, topk_current_beam_indices)
     topk_running_sequences = model._gather_beams(running_sequences, topk_current_beam_indices)
@@ -457,8 +598,9 @@ def _r_top_k_continuations(model, log_probs, running_beam_scores, running_sequen
 
 
 def _beam_search(model, decoder, state, input_ids, prompt_positions, logits_processor, stopping_criteria,
-                 generation_config, output_class):
-    """HF's ``_beam_search`` bookkeeping (its own helpers), with lightgen's step and in-place cache reorder."""
+                 generation_config, output_class, reorder_last=False):
+    """HF's ``_beam_search`` bookkeeping (its own helpers), with lightgen's step and in-place cache reorder.
+    ``reorder_last``: the cache is returned, reordered after the last step as HF's is."""
     pad_token_id = generation_config._pad_token_tensor
     eos_token_id = generation_config._eos_token_tensor
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
@@ -497,7 +639,7 @@ def _beam_search(model, decoder, state, input_ids, prompt_positions, logits_proc
     # Without processors between them, log_softmax fuses into the R-top-k pass.
     fuse_log_softmax = len(logits_processor) == 0 and not keep_scores
     flat_running_sequences = input_ids
-    logits = decoder.step(state, input_ids, prompt_positions)
+    logits = _first_step(decoder, state, input_ids, prompt_positions)
     while True:
         if keep_logits:
             raw_logits += (logits.clone(),)
@@ -546,6 +688,8 @@ def _beam_search(model, decoder, state, input_ids, prompt_positions, logits_proc
         )
         if not model._beam_search_has_unfinished_sequences(is_early_stop_heuristic_unsatisfied, is_sent_finished,
                                                             next_token_hits_stopping_criteria, early_stopping):
+            if reorder_last:
+                state.reorder(beam_idx.long())
             break
         state.reorder(beam_idx.long())
         flat_running_sequences = model._flatten_beam_dim(running_sequences[:, :, :cur_len])

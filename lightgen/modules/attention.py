@@ -5,10 +5,14 @@ that dispatches through ALL_ATTENTION_FUNCTIONS runs ``ops.attention`` without b
 Prefill (more than one query) goes to PyTorch's SDPA: its blocked matmuls beat our per-query
 kernel there (0.4-0.7x measured in benchmarks/op_kernels.py), while decode steps are where the fused
 kernel wins (1.2-1.9x over SDPA). Cases the op does not cover (attention weights requested, dropout in
-training, soft-capping, sliding windows, position biases) also go to the sdpa/eager functions.
+training, position biases) also go to the sdpa/eager functions. Sliding windows need nothing here: HF's
+mask holds them (sdpa reads only the mask too). Soft-capped scores (Gemma 2), which sdpa refuses, run
+the op (prefill included) or, when gradients are recorded, the family's own eager function.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from transformers import AttentionInterface
@@ -20,18 +24,26 @@ from lightgen import ops
 
 IMPLEMENTATION = "lightgen"
 
-_UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "position_bias", "s_aux")
+_UNSUPPORTED_KWARGS = ("position_bias", "s_aux")
 
 
 def lightgen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                                is_causal=None, **kwargs):
-    if kwargs.get("output_attentions"):
-        return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                       dropout=dropout, **kwargs)
+    grad = module.training or torch.is_grad_enabled()
+    softcap = kwargs.get("softcap")
+    if kwargs.get("output_attentions") or (softcap is not None and grad):
+        return _eager(module, query, key, value, attention_mask, is_causal, scaling=scaling, dropout=dropout,
+                      **kwargs)
+    if softcap is not None:
+        if attention_mask is not None:
+            return ops.attention(query, key, value, mask=attention_mask[..., :key.shape[-2]], scale=scaling,
+                                 softcap=softcap), None
+        causal = query.shape[-2] > 1 and getattr(module, "is_causal", True)
+        return ops.attention(query, key, value, scale=scaling, causal=causal, softcap=softcap), None
     # Prefill, and anything that records gradients (our kernels have no autograd), take sdpa.
     prefill = query.shape[-2] > 1
     unsupported = any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS)
-    if prefill or module.training or torch.is_grad_enabled() or unsupported:
+    if prefill or grad or unsupported:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     key_len = key.shape[-2]
@@ -40,6 +52,26 @@ def lightgen_attention_forward(module, query, key, value, attention_mask, scalin
     # A single query sees every key it is not masked from: no causal window needed.
     out = ops.attention(query, key, value, mask=attention_mask, scale=scaling)
     return out, None
+
+
+def _eager(module, query, key, value, attention_mask, is_causal, **kwargs):
+    """Attention weights as the module's family computes them: its own ``eager_attention_forward`` (which
+    repeats grouped K/V heads), or BERT's for families without one, with K/V heads repeated here."""
+    query_len, key_len = query.shape[-2], key.shape[-2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is None and query_len > 1 and causal:
+        # sdpa's mask function leaves causal masks to SDPA's is_causal (decided as sdpa does); eager needs one.
+        attention_mask = torch.ones(query_len, key_len, dtype=torch.bool, device=query.device).tril(key_len - query_len)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:  # sdpa's mask (ours): eager adds it
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    family_eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if family_eager is not None:
+        return family_eager(module, query, key, value, attention_mask, **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def register() -> None:

@@ -37,10 +37,14 @@ class BlockSpec:
     ffn_out: str
     act_module: str  # attribute name of the HF activation, used when act is None
     clamp_fp16: bool = False  # BART-style encoders clamp inf in fp16
+    # One projection whose output halves are gate | up (Phi-3's gate_up_proj), named alone in ffn_in.
+    fused_gate_up: bool = False
+    # GPT-NeoX: every sublayer reads the block input through its own norm; out = (ffn + attn) + input.
+    parallel_residual: bool = False
 
     @property
     def gated(self) -> bool:
-        return len(self.ffn_in) == 2
+        return len(self.ffn_in) == 2 or self.fused_gate_up
 
 
 def activation_for(hf_name) -> str | None:
@@ -60,16 +64,26 @@ _GELU_KERNEL_MAX_ROWS = 16
 
 
 def _use_hf_activation(spec: BlockSpec, x: torch.Tensor) -> bool:
-    return spec.act is None or (spec.act == "gelu" and x.numel() // x.shape[-1] > _GELU_KERNEL_MAX_ROWS)
+    if spec.act is None:
+        return True
+    if x.dtype != torch.float32:
+        # fp16 / bf16 round at every op of HF's composite: its linear adds the bias inside the matmul (one
+        # rounding, bias_act's input is rounded without it) and some activations are composites themselves
+        # (gelu_new). SiLU and ReLU are one rounding in HF as in gated_act, which rounds before the product.
+        return not (spec.gated and spec.act in ("silu", "relu"))
+    return not spec.gated and spec.act == "gelu" and x.numel() // x.shape[-1] > _GELU_KERNEL_MAX_ROWS
 
 
 def feed_forward(ffn_owner: nn.Module, spec: BlockSpec, x: torch.Tensor) -> torch.Tensor:
     if spec.gated:
-        gate, up = (getattr(ffn_owner, name) for name in spec.ffn_in)
-        if spec.act is None:
-            hidden = getattr(ffn_owner, spec.act_module)(apply_linear(gate, x)) * apply_linear(up, x)
+        if spec.fused_gate_up:
+            gate_x, up_x = apply_linear(getattr(ffn_owner, spec.ffn_in[0]), x).chunk(2, dim=-1)
         else:
-            hidden = ops.gated_act(apply_linear(gate, x), apply_linear(up, x), spec.act)
+            gate_x, up_x = (apply_linear(getattr(ffn_owner, name), x) for name in spec.ffn_in)
+        if _use_hf_activation(spec, x):
+            hidden = getattr(ffn_owner, spec.act_module)(gate_x) * up_x
+        else:
+            hidden = ops.gated_act(gate_x, up_x, spec.act)
     else:
         fc_in = getattr(ffn_owner, spec.ffn_in[0])
         weights = kernel_weights(fc_in, x) if spec.act is not None else None
@@ -86,8 +100,14 @@ Sublayer = Callable[[torch.Tensor], torch.Tensor]
 
 
 def run_block(spec: BlockSpec, hidden: torch.Tensor, sublayers: Sequence[tuple[Sublayer, nn.Module]]) -> torch.Tensor:
-    """Run ``sublayers`` ((call, its norm) pairs, FFN last) with residuals, pre- or post-norm."""
-    if spec.pre_norm:
+    """Run ``sublayers`` ((call, its norm) pairs, FFN last) with residuals: pre-norm, post-norm or parallel."""
+    if spec.parallel_residual:
+        outs = [call(apply_norm(norm, hidden)) for call, norm in sublayers]
+        total = outs[-1]
+        for out in reversed(outs[:-1]):
+            total = total + out
+        hidden = total + hidden
+    elif spec.pre_norm:
         residual = hidden
         normed = apply_norm(sublayers[0][1], hidden)
         for index, (call, _) in enumerate(sublayers):

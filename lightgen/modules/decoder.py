@@ -10,6 +10,8 @@ for the last position only.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Callable
 
 import torch
 from torch import nn
@@ -19,11 +21,20 @@ from lightgen.modules.block import BlockSpec, feed_forward, run_block
 from lightgen.modules.kv_cache import POOL, StaticKVCache
 from lightgen.modules.linear import apply_linear, kernel_weights
 from lightgen.modules.norm import apply_norm
+from lightgen.modules.position_bias import RelativePositionBias
+
+DECODER_ATTR = "_lightgen_decoder"  # where an adapter attaches a model's Decoder for the generation engine
+# Where an adapter attaches the function that accelerates a model (the engine accelerates an assistant with it).
+ACCELERATE_ATTR = "_lightgen_accelerate"
+
+
+class NoEngine(Exception):
+    """Raised by an adapter's decoder builder: this model generates with HF's loop, for the reason given."""
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionWeights:
-    q: nn.Module  # nn.Linear, or with k = v = None a fused q|k|v projection (GPT-2's Conv1D)
+    q: nn.Module  # nn.Linear, or with k = v = None a fused q|k|v projection (GPT-2's Conv1D, Phi-3's qkv_proj)
     k: nn.Module | None
     v: nn.Module | None
     out: nn.Module
@@ -31,14 +42,39 @@ class AttentionWeights:
     kv_heads: int
     head_dim: int
     scaling: float
+    # The fused projection holds [q | k | v] per head (GPT-NeoX), not all q, then all k, then all v.
+    interleaved_qkv: bool = False
+    q_norm: nn.Module | None = None  # per-head norms on q and k before rotary (Qwen3, Gemma 3)
+    k_norm: nn.Module | None = None
+    scale_queries: bool = False  # q is multiplied by ``scaling`` before the dot products (OPT), not the scores
+    window: int = 0  # sliding window (HF's ``sliding_window``: keys seen, the query's own included); 0: none
+    softcap: float = 0.0  # tanh soft-capping of the scores (Gemma 2's attn_logit_softcapping); 0: none
 
     def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[N, T, E] -> q [N, H, T, D], k and v [N, Hkv, T, D] (views)."""
+        """[N, T, E] -> q [N, H, T, D], k and v [N, Hkv, T, D] (views, unless normed or scaled)."""
         if self.k is None:
-            q, k, v = apply_linear(self.q, h).split(self.heads * self.head_dim, dim=-1)
+            qkv = apply_linear(self.q, h)
+            if self.interleaved_qkv:
+                rows, length, _ = qkv.shape
+                per_head = qkv.view(rows, length, self.heads, 3 * self.head_dim).transpose(1, 2)
+                q, k, v = per_head.chunk(3, dim=-1)
+            else:
+                q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+                q, k, v = (_split_heads(t, heads) for t, heads in zip(
+                    qkv.split([q_width, kv_width, kv_width], dim=-1), (self.heads, self.kv_heads, self.kv_heads),
+                    strict=True))
         else:
-            q, k, v = apply_linear(self.q, h), apply_linear(self.k, h), apply_linear(self.v, h)
-        return _split_heads(q, self.heads), _split_heads(k, self.kv_heads), _split_heads(v, self.kv_heads)
+            q = _split_heads(apply_linear(self.q, h), self.heads)
+            k, v = (_split_heads(apply_linear(proj, h), self.kv_heads) for proj in (self.k, self.v))
+        if self.q_norm is not None:
+            q, k = apply_norm(self.q_norm, q), apply_norm(self.k_norm, k)
+        if self.scale_queries:
+            q = q * self.scaling
+        return q, k, v
+
+    @property
+    def score_scale(self) -> float:
+        return 1.0 if self.scale_queries else self.scaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +85,10 @@ class DecoderLayerWeights:
     ffn_norm: nn.Module
     cross_attn: AttentionWeights | None = None
     cross_norm: nn.Module | None = None
+    # Norms on a sublayer's output before its residual add (Gemma 2/3's post-attention and post-FFN norms).
+    self_out_norm: nn.Module | None = None
+    ffn_out_norm: nn.Module | None = None
+    rotary: Callable | None = None  # this layer's (x, position_ids) -> (cos, sin), when not the spec's (Gemma 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,18 +100,33 @@ class DecoderSpec:
     embed_scale: float = 1.0
     position_table: torch.Tensor | None = None  # [P, E]: learned, or a fixed sinusoidal table
     position_offset: int = 0  # BART's learned positions start at index 2
-    max_positions: int | None = None  # for rotary models: config.max_position_embeddings
     rotary: nn.Module | None = None  # HF rotary embedding module: (x, position_ids) -> (cos, sin)
     apply_rotary: object = None  # HF's apply_rotary_pos_emb for that family
     embedding_norm: nn.Module | None = None
     final_norm: nn.Module | None = None
     logits_bias: torch.Tensor | None = None  # [1, V]
+    logits_softcap: float = 0.0  # logits -> tanh(logits / cap) * cap (Gemma 2's final_logit_softcapping); 0: none
+    # OPT-350m: the embedding width differs from the model width; projections in (after the lookup, before the
+    # positions are added) and out (after the final norm).
+    project_in: nn.Module | None = None
+    project_out: nn.Module | None = None
+    # T5: a relative position bias on the self-attention scores, shared by all layers.
+    relative_position_bias: RelativePositionBias | None = None
+    lm_head_input_scale: float = 1.0  # T5 with tied embeddings: the LM head reads hidden * d_model**-0.5
+    # fairseq's make_positions (M2M100/NLLB): a token equal to this id takes position row ``padding_idx`` (zeros).
+    position_padding_idx: int | None = None
 
     @property
     def position_limit(self) -> int:
+        """Positions the model can embed: its table's, and no limit for rotary models (HF computes their
+        angles for any position, past ``max_position_embeddings`` too)."""
         if self.position_table is not None:
             return self.position_table.shape[0] - self.position_offset
-        return self.max_positions or 1 << 62
+        return 1 << 62
+
+
+def _with_out_norm(call: Callable, norm: nn.Module | None) -> Callable:
+    return call if norm is None else lambda h: apply_norm(norm, call(h))
 
 
 def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -84,7 +139,8 @@ class DecodeState:
     """Per-request decoder memory: self-attention cache, key mask, positions, cross K/V."""
 
     def __init__(self, cache: StaticKVCache, key_keep: torch.Tensor | None, next_position: torch.Tensor,
-                 cross_keys=(), cross_values=(), encoder_keep=None, expand: int = 1) -> None:
+                 cross_keys=(), cross_values=(), encoder_keep=None, expand: int = 1,
+                 position_limit: int | None = None) -> None:
         self.cache = cache
         self.key_keep = key_keep  # [N, max_len] bool, only when the prompt is padded
         self.next_position = next_position  # [N] int64: position id of each row's next token
@@ -95,6 +151,9 @@ class DecodeState:
         self.cross_values = list(cross_values)
         self.encoder_keep = encoder_keep  # [B, S] bool
         self.expand = expand  # decoder rows per sentence (beams or returned sequences)
+        self.position_limit = position_limit  # set when steps may run past the position table
+        self.cached_prompt = 0  # prompt tokens a caller's cache holds: the first step feeds the rest
+        self.position_bias_table = None  # [H, 2 * max_len - 1] with a relative position bias
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Beam search picked ``rows``: rows of the same sentence swap caches, masks and positions."""
@@ -140,9 +199,6 @@ class Decoder:
         Encoder inputs are per row ([N, S, E]: HF repeats each sentence ``expand`` times) and are
         de-duplicated here, so cross-attention K/V exist once per sentence.
         """
-        if max_len > self.spec.position_limit:
-            raise ValueError(f"generation needs {max_len} positions but the model has {self.spec.position_limit} "
-                             f"(max_position_embeddings)")
         first = self.spec.layers[0].self_attn
         cache = StaticKVCache(len(self.spec.layers), rows, first.kv_heads, max_len + spare_positions, first.head_dim,
                               dtype, device)
@@ -151,8 +207,10 @@ class Decoder:
         if prompt_mask is not None:
             key_keep = POOL.take((rows, max_len + spare_positions), torch.bool, device).fill_(True)
             key_keep[:, : prompt_mask.shape[1]] = prompt_mask.bool()
+        # Past the table HF fails when a step gets there (often it stops at EOS first): steps check then.
+        position_limit = self.spec.position_limit if max_len > self.spec.position_limit else None
         if encoder_hidden is None:
-            return DecodeState(cache, key_keep, next_position)
+            return self._with_bias_table(DecodeState(cache, key_keep, next_position, position_limit=position_limit))
         sentences = encoder_hidden[::expand]
         encoder_keep = (torch.ones(sentences.shape[:2], dtype=torch.bool, device=sentences.device)
                         if encoder_mask is None else encoder_mask[::expand].bool())
@@ -161,7 +219,36 @@ class Decoder:
             attn = layer.cross_attn
             cross_keys.append(_split_heads(apply_linear(attn.k, sentences), attn.kv_heads).contiguous())
             cross_values.append(_split_heads(apply_linear(attn.v, sentences), attn.kv_heads).contiguous())
-        return DecodeState(cache, key_keep, next_position, cross_keys, cross_values, encoder_keep, expand)
+        return self._with_bias_table(DecodeState(cache, key_keep, next_position, cross_keys, cross_values,
+                                                 encoder_keep, expand, position_limit))
+
+    def _with_bias_table(self, state: DecodeState) -> DecodeState:
+        if self.spec.relative_position_bias is not None:
+            state.position_bias_table = self.spec.relative_position_bias.table(state.cache.max_len)
+        return state
+
+    def _position_rows(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of the position table for ``tokens`` at ``positions``."""
+        spec = self.spec
+        rows = positions + spec.position_offset
+        pad = spec.position_padding_idx
+        if pad is None:
+            return rows.contiguous()
+        real = tokens != pad
+        if state.cache.length == 0:
+            # HF numbers a prompt's real tokens with a cumulative sum (a padding token takes no position);
+            # after it, one token a step, every token counts and only a padding token itself takes row pad.
+            rows = positions[:, :1] + torch.cumsum(real, dim=1) - 1 + spec.position_offset
+        return torch.where(real, rows, pad)
+
+    def _self_attention_mask(self, state: DecodeState, positions: torch.Tensor) -> torch.Tensor | None:
+        """The key mask of a padded prompt, with a relative position bias (additive) folded in."""
+        if state.position_bias_table is None:
+            return state.key_keep
+        bias = RelativePositionBias.scores_bias(state.position_bias_table, positions, state.cache.max_len)
+        if state.key_keep is not None:
+            bias = bias.masked_fill(~state.key_keep[:, None, None, :], float("-inf"))
+        return bias
 
     def step(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor | None = None,
              all_positions: bool = False, scored: torch.Tensor | None = None) -> torch.Tensor:
@@ -179,21 +266,26 @@ class Decoder:
             raise RuntimeError(f"decoder cache of {cache.max_len} positions is full")
         if positions is None:
             positions = state.next_position[:, None] + torch.arange(length, device=tokens.device)
-        if spec.position_table is not None:
-            hidden = ops.embedding(tokens, spec.token_embedding, spec.embed_scale, spec.position_table,
-                                   (positions + spec.position_offset).contiguous())
-        else:
-            hidden = ops.embedding(tokens, spec.token_embedding, spec.embed_scale)
-        rotary = spec.rotary(hidden, positions) if spec.rotary is not None else None
+        if state.position_limit is not None and int(positions.max()) >= state.position_limit:
+            raise IndexError(f"position {int(positions.max())} is past the model's {state.position_limit} positions "
+                             f"(max_position_embeddings): Hugging Face's forward fails here too")
+        hidden = self._embed(state, tokens, positions)
+        self_mask = self._self_attention_mask(state, positions)
+        tables = {}  # rotary cos/sin per rotary module, computed once per step
         if spec.embedding_norm is not None:
             hidden = apply_norm(spec.embedding_norm, hidden)
         for index, layer in enumerate(spec.layers):
-            sublayers = [(lambda h, i=index, a=layer.self_attn: self._self_attention(state, i, a, h, rotary),
-                          layer.self_norm)]
+            rotary = layer.rotary or spec.rotary
+            if rotary is not None and id(rotary) not in tables:
+                tables[id(rotary)] = rotary(hidden, positions)
+            attend = functools.partial(self._self_attention, state, index, layer.self_attn,
+                                       rotary=tables.get(id(rotary)), mask=self_mask)
+            sublayers = [(_with_out_norm(attend, layer.self_out_norm), layer.self_norm)]
             if layer.cross_attn is not None:
                 sublayers.append((lambda h, i=index, a=layer.cross_attn: self._cross_attention(state, i, a, h),
                                   layer.cross_norm))
-            sublayers.append((lambda h, m=layer.ffn_owner: feed_forward(m, spec.block, h), layer.ffn_norm))
+            ffn = functools.partial(feed_forward, layer.ffn_owner, spec.block)
+            sublayers.append((_with_out_norm(ffn, layer.ffn_out_norm), layer.ffn_norm))
             hidden = run_block(spec.block, hidden, sublayers)
         cache.length += length
         state.lengths += length
@@ -201,34 +293,56 @@ class Decoder:
         last = hidden[scored] if scored is not None else hidden if all_positions else hidden[:, -1]
         if spec.final_norm is not None:
             last = apply_norm(spec.final_norm, last)
+        if spec.project_out is not None:
+            last = apply_linear(spec.project_out, last)
+        if spec.lm_head_input_scale != 1.0:
+            last = last * spec.lm_head_input_scale
         return self._vocabulary_logits(last).float()
+
+    def _embed(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        table_positions = self._position_rows(state, tokens, positions) if spec.position_table is not None else None
+        if spec.project_in is not None:  # positions are added after the projection, as HF's OPT does
+            hidden = apply_linear(spec.project_in, ops.embedding(tokens, spec.token_embedding, spec.embed_scale))
+            if spec.position_table is None:
+                return hidden
+            return hidden + ops.embedding(table_positions, spec.position_table)
+        if spec.position_table is not None:
+            return ops.embedding(tokens, spec.token_embedding, spec.embed_scale, spec.position_table, table_positions)
+        return ops.embedding(tokens, spec.token_embedding, spec.embed_scale)
 
     def _vocabulary_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head plus the model's extra logits bias (BART's final_logits_bias), the bias fused into the
         matmul where the kernel runs the head: added afterwards, it cost a pass that reads every logit back
         from the core that wrote it (a BART batch-8 step: ~0.4 ms of 11)."""
-        head, bias = self.spec.lm_head, self.spec.logits_bias
+        head, bias, cap = self.spec.lm_head, self.spec.logits_bias, self.spec.logits_softcap
+        weights = None
         if bias is not None and bias.dtype == torch.float32 and getattr(head, "bias", None) is None:
             weights = kernel_weights(head, hidden)
-            if weights is not None:
-                return weights.run(hidden, bias.reshape(-1))
-        logits = head(hidden)
-        return logits if bias is None else logits + bias
+        if weights is not None:
+            logits = weights.run(hidden, bias.reshape(-1))
+        else:
+            logits = head(hidden)
+            if bias is not None:
+                logits = logits + bias
+        return torch.tanh(logits / cap) * cap if cap else logits
 
-    def _self_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor, rotary):
+    def _self_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor, rotary=None,
+                        mask=None):
         rows, length, _ = h.shape
         query, key, value = attn.project(h)
         if rotary is not None:
             query, key = self.spec.apply_rotary(query, key, *rotary)
         keys, values = state.cache.layer(index)
-        out = ops.attention(query, keys, values, key, value, state.lengths, state.key_keep, attn.scaling, True)
+        out = ops.attention(query, keys, values, key, value, state.lengths, mask, attn.score_scale, True,
+                            attn.window, attn.softcap)
         return apply_linear(attn.out, out.view(rows, length, -1))
 
     def _cross_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor):
-        rows, length, width = h.shape
+        rows, length, _ = h.shape
         sentences, expand = rows // state.expand, state.expand
         # Each sentence's rows (beams) become extra queries over that sentence's encoder K/V.
         query = apply_linear(attn.q, h).view(sentences, expand * length, attn.heads, -1).transpose(1, 2)
         out = ops.attention(query, state.cross_keys[index], state.cross_values[index], None, None, None,
                             state.encoder_keep, attn.scaling, False)
-        return apply_linear(attn.out, out.view(rows, length, width))
+        return apply_linear(attn.out, out.view(rows, length, -1))  # heads x head_dim may differ from the width (T5)

@@ -1,11 +1,12 @@
-"""Linear layers on lightgen's decode-shaped matmul: packed fp32 weights, opt-in int8 / bf16.
+"""Linear layers on lightgen's decode-shaped matmul: packed fp32 weights, opt-in int8 / int4 / bf16.
 
 The module's own weight always stays as it is (``state_dict``, training, prefill-sized inputs and
 ``restore_model`` use it). Inference on few rows reads a packed copy instead: panels of 64 output
 columns stored k after k, one sequential stream per thread (benchmarks/matmul.py, a BART-size
 step: 28 GB/s at batch 1, 86% of the measured bandwidth, against 26 GB/s on the [N, K] layout and
 11 GB/s for MKL; 1.5x faster than [N, K] at batch 8).
-The copy costs, per packed layer, +100% of its fp32 weight bytes (fp32), +50% (bf16), +25% (int8).
+The copy costs, per packed layer, +100% of its fp32 weight bytes (fp32), +50% (bf16), +28% (int8: 8 bits
++ a float scale per 32 weights), +19% (int4: 4 bits + a float scale and zero point per 32).
 ``pack=False`` keeps fp32 at zero extra memory and runs the kernels on the original layout (HF
 Conv1D's [K, N] weight is read as panels in place: fine in isolation, but 1.4x slower than packed in
 a GPT-2 decode step, where the strided rows miss DRAM pages).
@@ -19,9 +20,22 @@ import torch
 from torch import nn
 
 from lightgen import ops
-from lightgen.ops.linear import pack_panels
+from lightgen.ops.linear import pack_panels, quantize_grouped
 
-PRECISIONS = ("int8", "bf16")
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    """Group-wise weight-only quantization (``ops.linear_grouped``): one float scale (and, with zero
+    points, one offset) per ``group_size`` consecutive input features of an output column."""
+    bits: int
+    group_size: int
+    zero_points: bool = False
+
+
+# Chosen by benchmarks/quantize_quality.py on SmolLM2-135M and the demo model (README, "Quantization quality").
+FORMATS = {"int8": QuantFormat(8, 32), "int4": QuantFormat(4, 32, zero_points=True)}
+PRECISIONS = ("int8", "int4", "bf16")
+HEAD_PRECISION = {"int4": "int8"}  # the LM head's precision where it differs from the other linears
 
 # Up to this many rows (batch x beams x new tokens) the fp32 kernels beat ATen/MKL, per layer shape
 # (512x512 .. 32000x512, 2048x512, 768x3072) on 2-core Zen 4, AVX-512: packed panels 1.05-1.5x at
@@ -34,7 +48,9 @@ IN_PLACE_MAX_ROWS = 48
 class LinearWeights:
     weight: torch.Tensor  # packed panels, or the module's own Parameter ([N, K]; Conv1D: [K, N])
     out_features: int
-    scale: torch.Tensor | None = None  # [N] float32, int8 only
+    scale: torch.Tensor | None = None  # group-wise quantized: [P, G, 64] float32 (ops.linear_grouped)
+    offset: torch.Tensor | None = None  # int4 with zero points: [P, G, 64] float32
+    group_size: int = 0  # > 0: quantized group-wise
     conv1d: bool = False  # the weight is HF Conv1D's own [K, N] Parameter, read transposed in place
     # For a copy: the precision it was made in, and (version, data_ptr) of the Parameter it was made from.
     precision: str | None = None
@@ -56,8 +72,11 @@ class LinearWeights:
         return self.source is not None and self.source != (weight._version, weight.data_ptr())
 
     def run(self, x: torch.Tensor, bias: torch.Tensor | None, act: str = "none") -> torch.Tensor:
+        if self.group_size:
+            return ops.linear_grouped(x, self.weight, self.scale, self.offset, bias, act, self.out_features,
+                                      self.group_size)
         weight = self.weight.t() if self.conv1d else self.weight
-        return ops.linear(x, weight, self.scale, bias, act, self.out_features)
+        return ops.linear(x, weight, None, bias, act, self.out_features)
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -65,16 +84,17 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
-def packed_weights(weight: torch.Tensor, precision: str | None) -> LinearWeights:
-    """[N, K] float weight -> packed panels: fp32, bf16, or int8 with symmetric per-output-channel scales."""
+def packed_weights(weight: torch.Tensor, precision: str | None, fmt: QuantFormat | None = None) -> LinearWeights:
+    """[N, K] float weight -> packed panels: fp32, bf16, or int8 / int4 group-wise (``FORMATS[precision]``
+    unless ``fmt`` is given)."""
     weight = weight.detach().float()
     if precision is None:
         return LinearWeights(pack_panels(weight), weight.shape[0])
     if precision == "bf16":
         return LinearWeights(pack_panels(weight.to(torch.bfloat16)), weight.shape[0], precision=precision)
-    scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-    quantized = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return LinearWeights(pack_panels(quantized), weight.shape[0], scale.contiguous(), precision=precision)
+    fmt = fmt or FORMATS[precision]
+    packed, scale, offset = quantize_grouped(weight, fmt.bits, fmt.group_size, fmt.zero_points)
+    return LinearWeights(packed, weight.shape[0], scale, offset, fmt.group_size, precision=precision)
 
 
 def linear_weights(module: nn.Module, quantize: str | None, pack: bool) -> LinearWeights | None:

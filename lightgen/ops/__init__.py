@@ -8,9 +8,9 @@ from lightgen.ops import activation, attention as _attention_mod, beam, embeddin
 from lightgen.ops import linear as _linear_mod
 from lightgen.ops.activation import ACTIVATIONS, bias_act, bias_act_ref, gated_act, gated_act_ref
 from lightgen.ops.attention import attention, attention_ref
-from lightgen.ops.beam import beam_topk, beam_topk_ref, greedy_tokens
+from lightgen.ops.beam import beam_topk, beam_topk_ref, greedy_tokens, refuses_non_finite
 from lightgen.ops.embedding import embedding, embedding_ref
-from lightgen.ops.linear import linear, linear_ref
+from lightgen.ops.linear import linear, linear_grouped, linear_grouped_ref, linear_ref
 from lightgen.ops.norm import (
     add_layer_norm,
     add_layer_norm_ref,
@@ -41,8 +41,10 @@ __all__ = [
     "attention",
     "embedding",
     "linear",
+    "linear_grouped",
     "beam_topk",
     "greedy_tokens",
+    "refuses_non_finite",
     "layer_norm_ref",
     "add_layer_norm_ref",
     "rms_norm_ref",
@@ -52,5 +54,6 @@ __all__ = [
     "attention_ref",
     "embedding_ref",
     "linear_ref",
+    "linear_grouped_ref",
     "beam_topk_ref",
 ]

@@ -5,7 +5,10 @@ Shapes: ``q`` [B, Hq, Tq, D]; ``k_cache``/``v_cache`` [B, Hkv, Tmax, D] with Hq 
 ``cache_pos[b] + t`` (``cache_pos`` int64 [B], default 0) and row b then attends to keys
 ``[0, cache_pos[b] + Tq)``; without them every row attends to all Tmax keys. ``mask`` is bool
 (True = attend) or additive, [B, Tmax] or broadcastable to [B, Hq, Tq, Tmax]. ``causal`` lets query
-t see keys up to ``len - Tq + t`` (bottom-right aligned). A query with no visible key returns zeros.
+t see keys up to ``len - Tq + t`` (bottom-right aligned). ``window`` > 0 (HF's ``sliding_window``) hides
+keys at or before ``len - Tq + t - window`` from query t, so it sees at most ``window`` keys ending at
+its own position; ``softcap`` > 0 maps scores to ``tanh(s / softcap) * softcap`` before the mask is
+added (Gemma 2). A query with no visible key returns zeros.
 Returns [B, Tq, Hq, D], the layout the output projection reads.
 """
 
@@ -16,13 +19,16 @@ import torch
 from lightgen import _build
 
 
-def attention(q, k_cache, v_cache, k_new=None, v_new=None, cache_pos=None, mask=None, scale=None, causal=False):
+def attention(q, k_cache, v_cache, k_new=None, v_new=None, cache_pos=None, mask=None, scale=None, causal=False,
+              window: int = 0, softcap: float = 0.0):
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return _build.op("attention")(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal)
+    return _build.op("attention")(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window, softcap)
 
 
-def attention_ref(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal):
+def attention_ref(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window=0, softcap=0.0):
+    if window < 0 or softcap < 0:
+        raise RuntimeError(f"lightgen.attention: 'window' and 'softcap' must be >= 0 (0: none), got {window}, {softcap}")
     batch, q_heads, q_len, _ = q.shape
     kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
     if k_new is not None:
@@ -43,11 +49,15 @@ def attention_ref(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, cau
     # Zero unwritten values: 0-probability x uninitialised memory (inf/NaN) would poison the sum.
     values = v_cache.float().repeat_interleave(group, dim=1).masked_fill(~in_cache[:, None, :, None], 0.0)
     scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * scale  # [B, Hq, Tq, Tmax]
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
 
     visible = in_cache.unsqueeze(1)  # [B, 1, Tmax]
+    slot = key_len.view(-1, 1, 1) - q_len + torch.arange(q_len, device=q.device).view(1, -1, 1)  # [B, Tq, 1]
     if causal:
-        last = key_len.view(-1, 1, 1) - q_len + torch.arange(q_len, device=q.device).view(1, -1, 1)
-        visible = visible & (key_idx.view(1, 1, -1) <= last)  # [B, Tq, Tmax]
+        visible = visible & (key_idx.view(1, 1, -1) <= slot)  # [B, Tq, Tmax]
+    if window > 0:
+        visible = visible & (key_idx.view(1, 1, -1) > slot - window)
     visible = visible.unsqueeze(1)
     if mask is not None:
         if mask.dim() == 2:
@@ -65,7 +75,7 @@ def attention_ref(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, cau
     return out.transpose(1, 2).contiguous().to(q.dtype)
 
 
-def _attention_fake(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal):
+def _attention_fake(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window=0, softcap=0.0):
     batch, heads, q_len, head_dim = q.shape
     return q.new_empty((batch, q_len, heads, head_dim))
 

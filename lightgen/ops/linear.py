@@ -23,6 +23,74 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     return _build.op("linear")(x, weight, scale, bias, act, out_features)
 
 
+def linear_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                   bias: torch.Tensor | None, act: str, out_features: int, group_size: int) -> torch.Tensor:
+    """``act(x @ W.T + bias)`` for ``x`` [..., K] float32, W quantized group-wise by ``quantize_grouped``:
+    int8 panels [P, K, 64], or int4 as uint8 panels [P, ceil(K / 2), 64] (k = 2p in the low nibble of byte
+    row p, 2p + 1 in the high one); ``scale`` / ``offset`` [P, ceil(K / group_size), 64] per group of
+    ``group_size`` consecutive k of a column: int8 w = q * scale, int4 w = u * scale + offset (u in 0..15;
+    ``offset`` None: symmetric, offset = -8 * scale).
+    """
+    return _build.op("linear_grouped")(x, weight, scale, offset, bias, act, out_features, group_size)
+
+
+def quantize_grouped(weight: torch.Tensor, bits: int, group_size: int, zero_points: bool = False):
+    """W [N, K] float -> (packed weight, scale, offset or None) for ``linear_grouped``.
+
+    int8: symmetric, scale = max |w| / 127 per group. int4 symmetric (Q4_0's rule): the value of largest
+    magnitude maps to -8, so 16 levels are used; with ``zero_points`` (Q4_1's rule): min -> 0, max -> 15.
+    """
+    if bits not in (4, 8) or (bits == 8 and zero_points) or group_size < 1 or (bits == 4 and group_size % 2):
+        raise ValueError(f"quantize_grouped: unsupported bits={bits}, group_size={group_size}, "
+                         f"zero_points={zero_points}")
+    weight = weight.detach().float()
+    out_features, in_features = weight.shape
+    groups, span = -(-in_features // group_size), min(group_size, in_features)  # group_size >= K: one group
+    padded = weight.new_zeros(out_features, groups * span)
+    padded[:, :in_features] = weight
+    blocks = padded.view(out_features, groups, span)
+    tiny = torch.finfo(torch.float32).tiny
+    offset = None
+    if bits == 8:
+        scale = blocks.abs().amax(dim=2).clamp_min(tiny) / 127.0
+        q = torch.round(blocks / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    elif zero_points:
+        # Padding zeros outside the weight must not widen the last group's range.
+        valid = (torch.arange(groups * span) < in_features).view(groups, span)
+        low = torch.where(valid, blocks, torch.inf).amin(dim=2)
+        high = torch.where(valid, blocks, -torch.inf).amax(dim=2)
+        scale = ((high - low) / 15.0).clamp_min(tiny)
+        offset = low
+        q = torch.round((blocks - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    else:
+        extreme = blocks.gather(2, blocks.abs().argmax(dim=2, keepdim=True))[..., 0]
+        scale = torch.where(extreme == 0, tiny, extreme / -8.0)
+        q = (torch.round(blocks / scale[..., None]).clamp_(-8, 7) + 8).to(torch.uint8)
+    q = q.view(out_features, -1)[:, :in_features]
+    if bits == 4:
+        if in_features % 2:
+            q = torch.cat([q, q.new_zeros(out_features, 1)], dim=1)
+        q = q[:, 0::2] | (q[:, 1::2] << 4)
+    # [N, G] per-group values are laid out as panels too: [ceil(N / 64), G, 64].
+    return pack_panels(q), pack_panels(scale), None if offset is None else pack_panels(offset)
+
+
+def dequantize_grouped(weight, scale, offset, group_size, in_features, out_features) -> torch.Tensor:
+    """The float W [N, K] that ``linear_grouped`` multiplies by (the specification of its format)."""
+    q = unpack_panels(weight, out_features)
+    if weight.dtype == torch.uint8:
+        q = torch.stack([q & 15, q >> 4], dim=2).view(out_features, -1)[:, :in_features]
+    q = q.float()
+
+    def per_weight(per_group):
+        span = min(group_size, in_features)
+        return unpack_panels(per_group, out_features).repeat_interleave(span, dim=1)[:, :in_features]
+
+    if weight.dtype == torch.int8:
+        return q * per_weight(scale)
+    return q * per_weight(scale) + (per_weight(offset) if offset is not None else -8.0 * per_weight(scale))
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """W [N, K] -> panels [ceil(N / 64), K, 64]: each panel's 64 output columns, k after k (zero-padded)."""
     out_features, in_features = weight.shape
@@ -45,9 +113,18 @@ def linear_ref(x, weight, scale, bias, act, out_features=-1):
     return _activation(act)(F.linear(x, weight, bias))
 
 
+def linear_grouped_ref(x, weight, scale, offset, bias, act, out_features, group_size):
+    w = dequantize_grouped(weight, scale, offset, group_size, x.shape[-1], out_features)
+    return _activation(act)(F.linear(x, w, bias))
+
+
 def _linear_fake(x, weight, scale, bias, act, out_features=-1):
     return x.new_empty((*x.shape[:-1], out_features if weight.dim() == 3 else weight.shape[0]))
 
 
-REFERENCES = {"linear": linear_ref}
-FAKES = {"linear": _linear_fake}
+def _linear_grouped_fake(x, weight, scale, offset, bias, act, out_features, group_size):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+REFERENCES = {"linear": linear_ref, "linear_grouped": linear_grouped_ref}
+FAKES = {"linear": _linear_fake, "linear_grouped": _linear_grouped_fake}

@@ -31,17 +31,22 @@ class ServeOptions:
     max_delay_ms: float = 10.0  # how long the first request of a batch waits for batch-mates
     max_input_tokens: int | None = None
     max_new_tokens: int | None = None
+    max_body_bytes: int | None = None  # one HTTP body (ray) or one request row (triton); default 1 MiB
+    max_text_bytes: int | None = None  # one request's text, in UTF-8 bytes; default 32 per input token
     grpc_port: int | None = None  # (triton) default: port + 1
     metrics_port: int | None = None  # (triton) default: port + 2
     workspace: str | None = None  # (triton) PyTriton's model store; default ~/.cache/pytriton/workspace_*
     num_replicas: int = 1  # (ray)
     max_replicas: int | None = None  # (ray) autoscale between num_replicas and this
     ray_address: str | None = None  # (ray) an existing cluster ("auto", "ray://head:10001"); None: a local one
+    drain_timeout_s: float = 30.0  # (ray) on SIGTERM, how long in-flight requests may take to finish
 
     def limits(self) -> dict:
         return {name: value for name, value in (("max_input_tokens", self.max_input_tokens),
                                                 ("max_new_tokens", self.max_new_tokens),
-                                                ("max_batch_size", self.max_batch_size)) if value is not None}
+                                                ("max_batch_size", self.max_batch_size),
+                                                ("max_body_bytes", self.max_body_bytes),
+                                                ("max_text_bytes", self.max_text_bytes)) if value is not None}
 
     def load_generator(self) -> Generator:
         return Generator.load(self.model_dir, accelerate=self.accelerate, threads=self.threads,

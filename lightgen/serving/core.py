@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import threading
 from pathlib import Path
 
@@ -23,6 +24,13 @@ SETTINGS = ("max_new_tokens", "num_beams", "do_sample", "top_k", "top_p", "tempe
             "max_draft", "beta", "tau")
 DECODINGS = ("auto", "iad", "gad")
 SAMPLING_ONLY = ("top_k", "top_p", "temperature", "seed")
+# Below this, logits / temperature overflows float32 (1e-300 becomes 0: a division by zero); sampling this cold
+# is greedy decoding anyway.
+MIN_TEMPERATURE = 1e-2
+MAX_BODY_BYTES = 1 << 20  # default cap on one HTTP body (Ray) or one request row (Triton)
+TEXT_BYTES_PER_TOKEN = 32  # default text cap: max_input_tokens tokens of up to this many UTF-8 bytes each
+MAX_JSON_DEPTH = 4  # a Ray body nests 3 deep (list > request > input_ids), a Triton row 2
+LOG = logging.getLogger("lightgen.serving")
 
 
 class RequestError(ValueError):
@@ -66,13 +74,29 @@ class Limits:
     max_new_tokens: int = 128
     max_beams: int = 8
     max_batch_size: int = 32
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_text_bytes: int | None = None  # None: TEXT_BYTES_PER_TOKEN * max_input_tokens
+
+    @property
+    def text_bytes(self) -> int:
+        return self.max_text_bytes or TEXT_BYTES_PER_TOKEN * self.max_input_tokens
+
+
+def _show(value, width: int = 40) -> str:
+    """A client's value in an error message, cut short: a message never echoes a megabyte back."""
+    return _cut(repr(value) if not isinstance(value, int) or abs(value) < 10**30
+                else f"an integer of {value.bit_length()} bits", width)
+
+
+def _cut(text: str, width: int = 200) -> str:
+    return text if len(text) <= width else text[:width] + "..."
 
 
 def _integer(name, value, low, high):
     if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError(f"'{name}' must be an integer, got {type(value).__name__}")
     if not low <= value <= high:
-        raise RequestError(f"'{name}' must be in [{low}, {high}], got {value}")
+        raise RequestError(f"'{name}' must be in [{low}, {high}], got {_show(value)}")
     return value
 
 
@@ -80,49 +104,62 @@ def _number(name, value, low, high, low_open=True):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(f"'{name}' must be a number, got {type(value).__name__}")
     if not ((low < value) if low_open else (low <= value)) or not value <= high:
-        raise RequestError(f"'{name}' must be in {'(' if low_open else '['}{low}, {high}], got {value}")
+        raise RequestError(f"'{name}' must be in {'(' if low_open else '['}{low}, {high}], got {_show(value)}")
     return float(value)
 
 
 def parse_settings(request: dict, limits: Limits, accelerated: bool, has_drafter: bool = False) -> Settings:
+    """The request's settings, or one RequestError that lists every bad setting (not only the first)."""
+    errors = []
     unknown = sorted(set(request) - set(SETTINGS) - {"text", "input_ids"})
     if unknown:
-        raise RequestError(f"unknown setting(s) {unknown}; known: text or input_ids, {', '.join(SETTINGS)}")
+        errors.append(f"unknown setting(s) {_show(unknown, 200)} (known: text or input_ids, {', '.join(SETTINGS)})")
     get = request.get
+
+    def checked(name, check, *bounds, default=None):
+        value = get(name, default)
+        if value is None:
+            return None
+        try:
+            return check(name, value, *bounds)
+        except RequestError as error:
+            errors.append(str(error))
+            return None
+
     do_sample = get("do_sample", False)
     if not isinstance(do_sample, bool):
-        raise RequestError(f"'do_sample' must be true or false, got {type(do_sample).__name__}")
-    for name in SAMPLING_ONLY:
-        if get(name) is not None and not do_sample:
-            raise RequestError(f"'{name}' needs do_sample=true")
+        errors.append(f"'do_sample' must be true or false, got {type(do_sample).__name__}")
+    else:
+        errors += [f"'{name}' needs do_sample=true" for name in SAMPLING_ONLY if get(name) is not None and not do_sample]
     decoding = get("decoding", "auto")
-    if decoding not in DECODINGS:
-        raise RequestError(f"'decoding' must be one of {', '.join(map(repr, DECODINGS))}, got {decoding!r}")
-    num_beams = _integer("num_beams", get("num_beams", 1), 1, limits.max_beams)
-    if decoding != "auto":
+    if not isinstance(decoding, str) or decoding not in DECODINGS:
+        errors.append(f"'decoding' must be one of {', '.join(map(repr, DECODINGS))}, got {_show(decoding)}")
+        decoding = None  # unknown: the checks that depend on it are skipped
+    num_beams = checked("num_beams", _integer, 1, limits.max_beams, default=1)
+    if decoding in ("iad", "gad"):
         if not accelerated:
-            raise RequestError(f"decoding={decoding!r} needs lightgen's engine; this server runs plain HF generate")
+            errors.append(f"decoding={decoding!r} needs lightgen's engine; this server runs plain HF generate")
         if decoding == "gad" and not has_drafter:
-            raise RequestError("decoding='gad' needs a drafter; this server has none (lightgen serve --drafter DIR)")
-        if num_beams != 1 or do_sample:
-            raise RequestError(f"decoding={decoding!r} is greedy decoding: num_beams=1 and do_sample=false")
-    elif get("max_draft") is not None:
-        raise RequestError("'max_draft' needs decoding='iad' or 'gad'")
-    for name in ("beta", "tau"):
-        if get(name) is not None and decoding != "gad":
-            raise RequestError(f"'{name}' needs decoding='gad'")
-    return Settings(
-        max_new_tokens=_integer("max_new_tokens", get("max_new_tokens", limits.max_new_tokens), 1,
-                                limits.max_new_tokens),
-        num_beams=num_beams, do_sample=do_sample,
-        top_k=None if get("top_k") is None else _integer("top_k", get("top_k"), 1, 1 << 20),
-        top_p=None if get("top_p") is None else _number("top_p", get("top_p"), 0.0, 1.0),
-        temperature=None if get("temperature") is None else _number("temperature", get("temperature"), 0.0, 100.0),
-        seed=None if get("seed") is None else _integer("seed", get("seed"), 0, 2**63 - 1),
-        decoding=decoding,
-        max_draft=None if get("max_draft") is None else _integer("max_draft", get("max_draft"), 1, 64),
-        beta=None if get("beta") is None else _integer("beta", get("beta"), 1, 64),
-        tau=None if get("tau") is None else _number("tau", get("tau"), 0.0, 100.0, low_open=False))
+            errors.append("decoding='gad' needs a drafter; this server has none (lightgen serve --drafter DIR)")
+        if num_beams not in (None, 1) or do_sample is True:
+            errors.append(f"decoding={decoding!r} is greedy decoding: num_beams=1 and do_sample=false")
+    elif decoding == "auto" and get("max_draft") is not None:
+        errors.append("'max_draft' needs decoding='iad' or 'gad'")
+    if decoding is not None:
+        errors += [f"'{name}' needs decoding='gad'" for name in ("beta", "tau")
+                   if get(name) is not None and decoding != "gad"]
+    values = dict(
+        max_new_tokens=checked("max_new_tokens", _integer, 1, limits.max_new_tokens, default=limits.max_new_tokens),
+        top_k=checked("top_k", _integer, 1, 1 << 20),
+        top_p=checked("top_p", _number, 0.0, 1.0),
+        temperature=checked("temperature", _number, MIN_TEMPERATURE, 100.0, False),
+        seed=checked("seed", _integer, 0, 2**63 - 1),
+        max_draft=checked("max_draft", _integer, 1, 64),
+        beta=checked("beta", _integer, 1, 64),
+        tau=checked("tau", _number, 0.0, 100.0, False))
+    if errors:
+        raise RequestError("; ".join(errors))
+    return Settings(num_beams=num_beams, do_sample=do_sample, decoding=decoding, **values)
 
 
 def check_batch(requests, limits: Limits) -> list:
@@ -198,7 +235,7 @@ class Generator:
         drafter = None
         if drafter_dir is not None or model_dir is None:
             from lightgen.demo import DRAFTER_DIR
-            from lightgen.drafting import NARDrafter
+            from lightgen.generation.drafting import NARDrafter
 
             drafter = NARDrafter.from_pretrained(drafter_dir or DRAFTER_DIR)
         return cls(model, tokenizer, accelerated=accelerate, drafter=drafter)
@@ -206,32 +243,27 @@ class Generator:
     def info(self) -> dict:
         return dict(model_type=self.model.config.model_type, accelerated=self.accelerated,
                     tokenizer=self.tokenizer is not None, drafter=self.drafter is not None,
-                    limits=dataclasses.asdict(self.limits))
+                    limits=dict(dataclasses.asdict(self.limits), max_text_bytes=self.limits.text_bytes))
 
     def stats(self) -> dict:
         with self.stats_lock:
             return dict(batch_sizes=dict(self.batch_sizes), group_sizes=dict(self.group_sizes))
 
+    def refusal(self, request) -> str | None:
+        """What is wrong with a request, as far as it can be told without tokenizing it (None: nothing); cheap
+        enough for a server to refuse at once instead of queueing the request for a batch."""
+        try:
+            self.check(request)
+        except RequestError as error:
+            return str(error)
+        return None
+
     def parse(self, request) -> tuple[list[int], Settings]:
-        if not isinstance(request, dict):
-            raise RequestError(f"a request is an object, got {type(request).__name__}")
-        if ("text" in request) == ("input_ids" in request):
-            raise RequestError("a request needs exactly one of 'text' or 'input_ids'")
-        settings = parse_settings(request, self.limits, self.accelerated, self.drafter is not None)
-        if "text" in request:
-            text = request["text"]
-            if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer: send 'input_ids'")
-            if not isinstance(text, str) or not text.strip():
-                raise RequestError("'text' must be a non-empty string")
-            ids = self.tokenizer(text)["input_ids"]
-        else:
-            ids = request["input_ids"]
-            if not isinstance(ids, list) or not ids or not all(
-                    isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                raise RequestError("'input_ids' must be a non-empty list of integers")
-            if not all(0 <= i < self.vocab_size for i in ids):
-                raise RequestError(f"'input_ids' must lie in [0, {self.vocab_size})")
+        """A request's token ids and settings, or one RequestError listing what is wrong with it. The
+        limits come before the work: the text is measured in bytes before it is tokenized, and a request
+        whose settings are refused is not tokenized at all."""
+        settings = self.check(request)
+        ids = self.tokenizer(request["text"])["input_ids"] if "text" in request else request["input_ids"]
         if len(ids) > self.limits.max_input_tokens:
             raise RequestError(f"input is {len(ids)} tokens; this server takes at most "
                                f"{self.limits.max_input_tokens}")
@@ -241,7 +273,63 @@ class Generator:
                                f"exceed the model's {self.max_positions} positions")
         return ids, settings
 
+    def check(self, request) -> Settings:
+        """The request's settings after every check that needs no tokenizer, or one RequestError listing
+        all that fail."""
+        if not isinstance(request, dict):
+            raise RequestError(f"a request is an object, got {type(request).__name__}")
+        errors = []
+        if ("text" in request) == ("input_ids" in request):
+            errors.append("a request needs exactly one of 'text' or 'input_ids'")
+        elif "text" in request:
+            errors += self._check_text(request["text"])
+        else:
+            errors += self._check_ids(request["input_ids"])
+        try:
+            settings = parse_settings(request, self.limits, self.accelerated, self.drafter is not None)
+        except RequestError as error:
+            errors.append(str(error))
+        if errors:
+            raise RequestError("; ".join(errors))
+        return settings
+
+    def _check_text(self, text) -> list[str]:
+        if self.tokenizer is None:
+            return ["this model has no tokenizer: send 'input_ids'"]
+        if not isinstance(text, str) or not text.strip():
+            return ["'text' must be a non-empty string"]
+        limit = self.limits.text_bytes
+        try:  # a character is at least one byte: a text this long is refused without encoding it
+            size = len(text) if len(text) > limit else len(text.encode("utf-8"))
+        except UnicodeEncodeError as error:  # a lone surrogate ("\ud800" in JSON): tokenizers raise TypeError
+            return [f"'text' is not valid Unicode: {error.reason} (character {error.start})"]
+        if size > limit:
+            return [f"'text' is {'at least ' if len(text) > limit else ''}{size} bytes; this server takes at most "
+                    f"{limit} (lightgen serve --max-text-bytes)"]
+        return []
+
+    def _check_ids(self, ids) -> list[str]:
+        if not isinstance(ids, list) or not ids:
+            return ["'input_ids' must be a non-empty list of integers"]
+        if len(ids) > self.limits.max_input_tokens:
+            return [f"input is {len(ids)} tokens; this server takes at most {self.limits.max_input_tokens}"]
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            return ["'input_ids' must be a non-empty list of integers"]
+        if not all(0 <= i < self.vocab_size for i in ids):
+            return [f"'input_ids' must lie in [0, {self.vocab_size})"]
+        return []
+
     def generate(self, requests: list) -> list[dict]:
+        """One answer per request, in order; never raises: whatever goes wrong with one request (a refusal,
+        or any exception while tokenizing or generating it) is that request's error, logged server-side
+        with its traceback, and its batch-mates are answered."""
+        try:
+            return self._generate_all(requests)
+        except Exception:  # a bug here must still answer every request
+            LOG.exception("lightgen: a batch of %d requests failed", len(requests))
+            return [internal_error() for _ in requests]
+
+    def _generate_all(self, requests: list) -> list[dict]:
         answers: list[dict | None] = [None] * len(requests)
         groups = collections.defaultdict(list)
         for index, request in enumerate(requests):
@@ -249,6 +337,10 @@ class Generator:
                 ids, settings = self.parse(request)
             except RequestError as error:
                 answers[index] = {"error": str(error)}
+                continue
+            except Exception:  # e.g. the tokenizer failing on an input nobody foresaw
+                LOG.exception("lightgen: reading a request failed")
+                answers[index] = internal_error()
                 continue
             # Seeded sampling runs alone: its sample must not depend on which requests shared its batch.
             groups[(settings, index if settings.seed is not None else None)].append((index, ids))
@@ -263,13 +355,15 @@ class Generator:
     def _run_group(self, settings: Settings, members) -> list[dict]:
         try:
             rows = self._generate([ids for _, ids in members], settings)
-        except Exception as error:  # noqa: BLE001 - one failing request must not fail its batch-mates
+            answers = [self._answer(row) for row in rows]
+        except Exception as error:  # one failing request must not fail its batch-mates
             if len(members) > 1:
                 return [answer for member in members for answer in self._run_group(settings, [member])]
-            return [{"error": f"generation failed: {type(error).__name__}: {error}"}]
+            LOG.exception("lightgen: generation failed for one request (%s)", settings)
+            return [{"error": f"generation failed: {type(error).__name__}: {_cut(str(error))}"}]
         with self.stats_lock:
             self.group_sizes[len(members)] += 1
-        return [self._answer(row) for row in rows]
+        return answers
 
     def _generate(self, inputs: list[list[int]], settings: Settings) -> list[list[int]]:
         longest = max(map(len, inputs))
@@ -300,19 +394,52 @@ class Generator:
         return answer
 
 
+def internal_error() -> dict:
+    """What a client learns of a server-side failure: that it happened; the traceback goes to the log."""
+    return {"error": "internal error while answering this request; the server logged it"}
+
+
+def load_json(body: bytes, limits: Limits):
+    """A client's JSON, or a RequestError: too large (checked before parsing), not JSON (or not UTF-8), or
+    nested deeper than any request is (a RecursionError inside ``json`` otherwise)."""
+    if len(body) > limits.max_body_bytes:
+        raise RequestError(f"request is {len(body)} bytes; this server takes at most {limits.max_body_bytes} "
+                           "(lightgen serve --max-body-bytes)")
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        level = None  # deeper than the interpreter's recursion limit
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, integers of over 4300 digits
+        raise RequestError(f"request is not JSON: {_cut(str(error))}") from None
+    else:
+        level = [value]
+        for _ in range(MAX_JSON_DEPTH + 1):  # empty at the end unless some container nests deeper
+            level = [child for item in level if isinstance(item, (list, dict))
+                     for child in (item.values() if isinstance(item, dict) else item)]
+    if level is None or level:
+        raise RequestError(f"request JSON nests deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
 def answer_json(generator: Generator, rows: list[bytes]) -> list[bytes]:
-    """Triton's rows: JSON requests in, JSON answers out; a row that is not JSON gets an error answer."""
-    answers: list[dict | None] = [None] * len(rows)
-    requests, positions = [], []
-    for index, row in enumerate(rows):
-        try:
-            requests.append(json.loads(row))
-            positions.append(index)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            answers[index] = {"error": f"request is not JSON: {error}"}
-    for index, answer in zip(positions, generator.generate(requests), strict=True):
-        answers[index] = answer
-    return [json.dumps(answer).encode() for answer in answers]
+    """Triton's rows: JSON requests in, JSON answers out; a row that is refused (too large, not JSON, too
+    deep) gets an error answer, and so does every row if anything unforeseen fails (logged, never raised:
+    an exception would fail the rows of every client in Triton's batch, with a traceback)."""
+    try:
+        answers: list[dict | None] = [None] * len(rows)
+        requests, positions = [], []
+        for index, row in enumerate(rows):
+            try:
+                requests.append(load_json(row, generator.limits))
+                positions.append(index)
+            except RequestError as error:
+                answers[index] = {"error": str(error)}
+        for index, answer in zip(positions, generator.generate(requests) if requests else [], strict=True):
+            answers[index] = answer
+        return [json.dumps(answer).encode() for answer in answers]
+    except Exception:
+        LOG.exception("lightgen: answering %d Triton rows failed", len(rows))
+        return [json.dumps(internal_error()).encode() for _ in rows]
 
 
 def _load_folder(path: Path):

@@ -4,6 +4,7 @@ when its health endpoint answers, stopped by SIGTERM, and checked to leave no pr
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -38,6 +39,7 @@ class ServerProcess:
         self.backend, self.args, self.startup_timeout_s = backend, list(args), startup_timeout_s
         self.stop_signal, self.sigint_ignored = stop_signal, sigint_ignored
         self.leftovers, self.workspaces, self.returncode, self.output = [], [], None, ""
+        self.stopping = False
 
     def __enter__(self) -> Client:
         import psutil
@@ -48,7 +50,8 @@ class ServerProcess:
         command = [sys.executable, "-m", "lightgen.cli", "serve", "--backend", self.backend, "--port", str(port)]
         if self.backend == "triton":
             command += ["--grpc-port", str(free_port()), "--metrics-port", str(free_port())]
-        env = dict(os.environ, PYTRITON_HOME=self.home, RAY_TMPDIR=self.home,
+        # A token of its own for Ray's token authentication: else Ray writes one to ~/.ray/auth_token.
+        env = dict(os.environ, PYTRITON_HOME=self.home, RAY_TMPDIR=self.home, RAY_AUTH_TOKEN=secrets.token_hex(32),
                    PYTHONPATH=os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")) if p))
         self.log = open(os.path.join(self.home, "server.log"), "w")
         self.process = subprocess.Popen(command + self.args, env=env, stdout=self.log, stderr=subprocess.STDOUT,
@@ -68,6 +71,44 @@ class ServerProcess:
         self.started = psutil.Process(self.process.pid).children(recursive=True)
         return client
 
+    def processes(self) -> list:
+        """The server's process and every process under it now (psutil.Process objects)."""
+        import psutil
+
+        root = psutil.Process(self.process.pid)
+        return [root] + root.children(recursive=True)
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server's whole process tree."""
+        import psutil
+
+        total = 0
+        for process in self.processes():
+            try:
+                total += process.memory_info().rss
+            except psutil.Error:  # exited meanwhile
+                pass
+        return total
+
+    def listening(self) -> list[tuple[str, str, int]]:
+        """(process name, address, port) of every TCP socket the server's process tree listens on."""
+        import psutil
+
+        sockets = []
+        for process in self.processes():
+            try:
+                name, connections = process.name(), process.net_connections(kind="inet")
+            except psutil.Error:
+                continue
+            sockets += [(name, c.laddr.ip, c.laddr.port) for c in connections if c.status == psutil.CONN_LISTEN]
+        return sockets
+
+    def stop(self) -> None:
+        """Send the stop signal now, inside the ``with`` block (once); leaving the block waits and checks."""
+        if not self.stopping:
+            self.stopping = True
+            self.process.send_signal(self.stop_signal)
+
     @staticmethod
     def _ignore_sigint():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -78,7 +119,7 @@ class ServerProcess:
     def _stop(self, started) -> None:
         import psutil
 
-        self.process.send_signal(self.stop_signal)
+        self.stop()
         try:
             self.process.wait(timeout=90)
         except subprocess.TimeoutExpired:

@@ -24,6 +24,8 @@ from lightgen.serving.core import Generator, answer_json
 def infer_function(generator: Generator):
     def infer(requests):
         # ``requests``: the client requests Triton's dynamic batcher merged, each with one or more rows.
+        # answer_json never raises: an exception here would fail every client in the batch with HTTP 500 and
+        # PyTriton's traceback.
         rows = [row[0] for request in requests for row in request["request"]]
         answers = iter(answer_json(generator, rows) if rows else [])
         return [{"response": np.array([[next(answers)] for _ in request["request"]], dtype=np.object_)}
@@ -32,8 +34,16 @@ def infer_function(generator: Generator):
     return infer
 
 
-def _stop_on_sigterm(signum, frame):
-    raise KeyboardInterrupt  # PyTriton stops Triton and removes its workspace on KeyboardInterrupt only
+class _Stop:
+    """SIGINT/SIGTERM handler: remembers that a stop was asked for, then raises KeyboardInterrupt (PyTriton
+    stops Triton and removes its workspace on KeyboardInterrupt only). ``triton.serve()`` also returns when
+    tritonserver dies; ``asked`` tells the two apart."""
+
+    asked = False
+
+    def __call__(self, signum, frame):
+        self.asked = True
+        raise KeyboardInterrupt
 
 
 def serve(options) -> None:
@@ -44,12 +54,17 @@ def serve(options) -> None:
     os.environ["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, os.environ.get("LD_LIBRARY_PATH")) if p)
     # A job started in the background by a shell inherits SIGINT ignored, and then Ctrl-C or kill -INT
     # could not stop it.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    stop = _Stop()
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     generator = options.load_generator()
+    import torch
+
     config = TritonConfig(http_address=options.host, http_port=options.port, grpc_address=options.host,
                           grpc_port=options.grpc_port or options.port + 1, metrics_address=options.host,
-                          metrics_port=options.metrics_port or options.port + 2, exit_timeout_secs=10)
+                          metrics_port=options.metrics_port or options.port + 2, exit_timeout_secs=10,
+                          # Without a GPU, its metrics start-up only logs NVML/DCGM "Error" lines.
+                          allow_gpu_metrics=torch.cuda.is_available())
     # Statistics (per-model batch sizes) are read-only and what shows batching works: leave them open.
     security = TritonSecurityConfig(restricted_endpoints=[e for e in DEFAULT_PROTECTED_ENDPOINTS if e != "statistics"])
     with Triton(config=config, workspace=options.workspace, security_config=security) as triton:
@@ -62,3 +77,5 @@ def serve(options) -> None:
         print(f"lightgen: Triton serving model '{MODEL_NAME}' on http://{options.host}:{options.port} "
               f"({generator.info()})", flush=True)
         triton.serve()
+    if not stop.asked:  # a supervisor restarts a server that exits non-zero
+        raise SystemExit("lightgen: tritonserver exited without being asked to stop (its log is above)")

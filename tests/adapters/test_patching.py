@@ -53,9 +53,8 @@ def test_accelerating_twice_is_a_no_op_and_restore_needs_a_patch():
 
 
 def test_unsupported_model_lists_supported_families():
-    model = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=1,
-                                                      num_heads=4))
-    with pytest.raises(lightgen.UnsupportedModelError, match="model_type 't5'.*bart.*llama"):
+    model = tf.BloomForCausalLM(tf.BloomConfig(vocab_size=50, hidden_size=16, n_layer=1, n_head=4))
+    with pytest.raises(lightgen.UnsupportedModelError, match="model_type 'bloom'.*bart.*llama"):
         lightgen.accelerate_model(model)
     with pytest.raises(TypeError, match="expects a transformers PreTrainedModel"):
         lightgen.accelerate_model("facebook/bart-base")

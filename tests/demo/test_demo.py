@@ -1,7 +1,9 @@
 """The shipped demo model: loads offline, IAD equals greedy on real sentences, it corrects, the demo runs."""
 
 import copy
+import io
 import random
+import re
 
 import pytest
 import torch
@@ -114,6 +116,41 @@ def test_demo_command_runs_short(capsys):
                  "lightgen GAD == HF greedy: True",
                  "lightgen beam 4 == HF beam 4: True", "tokens per pass", EXAMPLES[0]):
         assert line in out
+    # Results first: every sentence's verdicts before the timing starts, and the timings labelled with the load.
+    lines = out.splitlines()
+    verdicts = [i for i, line in enumerate(lines) if "same tokens as HF: greedy yes, IAD yes, GAD yes, beam 4 yes" in line]
+    timing = next(i for i, line in enumerate(lines) if line.startswith("timing "))
+    assert len(verdicts) == len(EXAMPLES) + 4 and max(verdicts) < timing
+    # each sentence's correction comes before its verdicts, and the next sentence after them
+    first_correction = next(i for i, line in enumerate(lines) if line.startswith("   -> "))
+    second_sentence = next(i for i, line in enumerate(lines) if line.startswith("  [2/"))
+    assert first_correction < verdicts[0] < second_sentence
+    assert re.search(r"other processes used (\d+%|an unknown share) of the \d+ CPUs while timing", out)
+    assert "timing [" in out  # the progress line
+
+
+def test_demo_progress_redraws_one_line_in_a_terminal_and_prints_lines_otherwise():
+    from lightgen.demo.compare import Progress
+
+    class Stream(io.StringIO):
+        def __init__(self, tty):
+            super().__init__()
+            self.tty = tty
+
+        def isatty(self):
+            return self.tty
+
+    for tty in (True, False):
+        stream = Stream(tty)
+        progress = Progress(total=6, stream=stream)
+        for name in "abcdef":
+            progress.step(name)
+        text = stream.getvalue()
+        if tty:
+            assert text.count("\r") == 6 and text.endswith("\n") and text.count("\n") == 1
+        else:
+            assert text.count("\n") == 6 and "timing [############............] 3/6 c" in text
+        assert "6/6 f" in text
 
 
 def test_demo_bad_arguments_are_clear_errors(capsys):
@@ -156,7 +193,7 @@ def test_training_script_runs(tmp_path):
 def test_train_drafter_command_runs(tmp_path):
     """The drafter recipe end to end on a few sentences and steps; the saved drafter drafts for GAD."""
     from lightgen.cli import main
-    from lightgen.drafting import NARDrafter
+    from lightgen.generation.drafting import NARDrafter
 
     main(["train-drafter", "--sentences", "40", "--steps", "3", "--batch-size", "8", "--out", str(tmp_path)])
     drafter = NARDrafter.from_pretrained(tmp_path)

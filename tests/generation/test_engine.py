@@ -90,31 +90,18 @@ def test_seeded_sampling_identical_to_hf(family, settings):
 
 
 def test_unsupported_argument_falls_back_with_a_warning(monkeypatch):
-    from transformers.generation.streamers import BaseStreamer
-
-    class Collect(BaseStreamer):
-        def __init__(self):
-            self.chunks = []
-
-        def put(self, value):
-            self.chunks.append(value)
-
-        def end(self):
-            pass
-
     accelerated, reference = _pair("bart", 6)
     ids, mask = padded_batch("bart", 1, 6, seed=6)
-    streamer = Collect()
-    with pytest.warns(RuntimeWarning, match="argument 'streamer' is not supported"):
-        got = accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, streamer=streamer)
-    assert torch.equal(got, reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5))
-    assert streamer.chunks
-    decoder_mask = torch.ones(1, 1, dtype=torch.long)  # tensors too, not only flags
-    with pytest.warns(RuntimeWarning, match="argument 'decoder_attention_mask'"):
-        got = accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
-                                   decoder_attention_mask=decoder_mask)
-    assert torch.equal(got, reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
-                                               decoder_attention_mask=decoder_mask))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, return_dict_in_generate=True)
+    with pytest.warns(RuntimeWarning, match="argument 'output_hidden_states' is not supported"):
+        got = accelerated.generate(**kwargs, output_hidden_states=True)
+    expected = reference.generate(**kwargs, output_hidden_states=True)
+    assert torch.equal(got.sequences, expected.sequences) and got.decoder_hidden_states
+    gpt2, gpt2_reference = _pair("gpt2", 6)
+    embeds = gpt2_reference.transformer.wte(ids)  # tensors too, not only flags
+    with pytest.warns(RuntimeWarning, match="argument 'inputs_embeds'"):
+        got = gpt2.generate(inputs_embeds=embeds, max_new_tokens=5)
+    assert torch.equal(got, gpt2_reference.generate(inputs_embeds=embeds, max_new_tokens=5))
     monkeypatch.setenv("LIGHTGEN_STRICT", "1")
     with pytest.raises(ValueError, match="LIGHTGEN_STRICT=1"):
         accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, output_attentions=True,
@@ -147,11 +134,14 @@ def test_hf_cache_is_built_only_when_hf_loop_runs(family, monkeypatch):
     assert len(attentions) == 5
 
 
-def test_too_long_generation_is_a_clear_error():
-    accelerated, _ = _pair("bart", 0)
+def test_generation_past_the_position_table_fails_where_hf_fails():
+    accelerated, reference = _pair("bart", 0)
     ids, mask = padded_batch("bart", 1, 4)
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=200, min_new_tokens=200)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=200, min_new_tokens=200)
+    with pytest.raises(IndexError, match="max_position_embeddings"):
+        accelerated.generate(**kwargs)
+    with pytest.raises(IndexError):
+        reference.generate(**kwargs)
 
 
 def test_buffers_are_reused_across_calls():
@@ -222,19 +212,24 @@ def test_restore_removes_the_engine():
     assert "generate" not in vars(accelerated) and not hasattr(accelerated, "_lightgen_decoder")
 
 
-def test_sliding_window_models_keep_hf_loop_and_match():
+@pytest.mark.parametrize("settings", [dict(), dict(num_beams=3), dict(decoding="iad")], ids=["greedy", "beam", "iad"])
+def test_sliding_window_models_run_on_the_engine(settings, step_counter, monkeypatch):
+    """A window of 4 and prompts of 9: Mistral used to build no decoder and run HF's loop silently."""
     import transformers as tf
 
+    monkeypatch.setenv("LIGHTGEN_STRICT", "1")
     torch.manual_seed(0)
     config = tf.MistralConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=1, intermediate_size=48, max_position_embeddings=64,
                               pad_token_id=0, sliding_window=4)
     reference = tf.MistralForCausalLM(config).eval()
     accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
-    assert not hasattr(accelerated, "_lightgen_decoder")
+    assert [layer.self_attn.window for layer in accelerated._lightgen_decoder.spec.layers] == [4, 4]
     ids, mask = padded_batch("mistral", 2, 9)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0)
-    assert torch.equal(accelerated.generate(**kwargs), reference.generate(**kwargs))
+    expected = reference.generate(**kwargs, **{k: v for k, v in settings.items() if k != "decoding"})
+    assert torch.equal(accelerated.generate(**kwargs, **settings), expected)
+    assert step_counter
 
 
 @pytest.mark.parametrize("family", SEQ2SEQ)
@@ -272,7 +267,7 @@ def test_group_beam_search_with_one_group_is_hf_beam_search(family, settings, mo
     from lightgen.generation import diverse, engine
 
     monkeypatch.setattr(engine, "_beam_search", lambda model, decoder, state, input_ids, positions, processors,
-                        criteria, config, output_class: diverse.group_beam_search(
+                        criteria, config, output_class, *reorder_last: diverse.group_beam_search(
                             decoder, state, input_ids, positions, processors, criteria, config, output_class))
     accelerated, reference = _pair(family, 1)
     ids, mask = padded_batch(family, 3, 7, seed=1)
@@ -412,7 +407,9 @@ def test_iad_with_good_and_bad_drafts_equals_greedy_in_fewer_passes(family, corr
     got = accelerated.generate(**kwargs, decoding="iad", max_draft=6, draft_ids=drafts)
     assert torch.equal(got, expected)
     generated = expected.shape[1] - (1 if family in SEQ2SEQ else kwargs["input_ids"].shape[1])
-    if corrupt_every == 0 and generated > 6:  # some random models stop at once
+    # Some random models stop at once; the tiny T5s repeat one token, so no suffix of their output is unique in
+    # the draft and IAD finds no anchor (their tokens are still checked above).
+    if corrupt_every == 0 and generated > 6 and family not in ("t5", "mt5"):
         assert len(step_counter) < generated - 3, "exact drafts should need fewer decoder passes"
 
 

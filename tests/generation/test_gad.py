@@ -8,8 +8,9 @@ import torch
 from models import DECODER_ONLY, SEQ2SEQ, VOCAB, build, padded_batch
 
 import lightgen
-from lightgen.drafting import DrafterConfig, NARDrafter, _padding, greedy_targets, pad_rows, train_drafter
 from lightgen.generation.aggressive import Acceptance, CopyFromInput, aggressive_greedy
+from lightgen.generation.drafting import DrafterConfig, NARDrafter, greedy_targets, train_drafter
+from lightgen.generation.tokens import pad_rows, padding_mask
 
 GENERATING = SEQ2SEQ + DECODER_ONLY
 
@@ -58,7 +59,7 @@ def test_drafting_on_the_kernels_equals_the_module(encoder_layers, seed):
     session = drafter.start(sources, memory, keep.long())
     targets = [[2, 5, 9] + [drafter.mask_token_id] * 4, [2] + [drafter.mask_token_id] * 2,
                [2, 7, 7, 8, 9, 10] + [drafter.mask_token_id] * 8]
-    target, target_pad = pad_rows(targets, 1), _padding(targets)
+    target, target_pad = pad_rows(targets, 1), padding_mask(targets)
     for _ in range(2):
         layers = drafter.drafting_layers()
         with torch.inference_mode():
@@ -102,7 +103,7 @@ def test_causal_prefix_drafting_from_its_cache_equals_the_module(seed):
         targets = [outputs[row] + [drafter.mask_token_id] * block for row in rows]
         with torch.inference_mode():
             index = torch.tensor(rows)
-            expected = drafter.decode(memory[index], ~keep[index], pad_rows(targets, 1), _padding(targets))
+            expected = drafter.decode(memory[index], ~keep[index], pad_rows(targets, 1), padding_mask(targets))
         drafts = session.draft(rows, [outputs[row] for row in rows], [block] * len(rows))
         assert drafts == expected.argmax(-1).view(len(rows), block).tolist()
         assert session.cache.filled.tolist() == [len(outputs[0]), len(outputs[1]), len(outputs[2])]

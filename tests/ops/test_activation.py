@@ -42,3 +42,15 @@ def test_opcheck(act):
     x, bias = torch.randn(3, 4, 24), torch.randn(24)
     torch.library.opcheck(torch.ops.lightgen.bias_act.default, (x, bias, act))
     torch.library.opcheck(torch.ops.lightgen.gated_act.default, (x, torch.randn(3, 4, 24), act))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("act", ["silu", "relu", "none"])
+def test_half_precision_rounds_where_the_composite_does(act, dtype):
+    """act(gate) is rounded to the dtype before the product, x + bias before the activation, as HF's
+    composite (``act_fn(gate_proj(x)) * up_proj(x)``) does: bitwise equal, not one rounding off."""
+    gen = torch.Generator().manual_seed(5)
+    gate, up = (torch.randn(8, 4099, generator=gen) * 3).to(dtype), (torch.randn(8, 4099, generator=gen) * 3).to(dtype)
+    assert torch.equal(ops.gated_act(gate, up, act), ops.gated_act_ref(gate, up, act))
+    bias = torch.randn(4099, generator=gen).to(dtype)
+    assert torch.equal(ops.bias_act(gate, bias, act), ops.bias_act_ref(gate, bias, act))

@@ -118,3 +118,48 @@ def test_unwritten_cache_garbage_never_leaks_into_the_output():
     for attention in (ops.attention, ops.attention_ref):
         out = attention(q, k.clone(), v.clone(), k_new, v_new, pos, None, 0.5, True)
         assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("window, softcap", [(1, 0.0), (3, 0.0), (5, 0.7), (0, 0.4), (100, 0.0)])
+def test_sliding_window_and_softcap_match_reference(case, window, softcap, dtype):
+    batch, q_heads, kv_heads, q_len, max_len, dim = case
+    q, k_cache, v_cache, k_new, v_new = _qkv(*case, dtype, seed=4)
+    cache_pos = torch.tensor([(max_len - q_len) * row // max(batch - 1, 1) for row in range(batch)])
+    keep = torch.rand(batch, max_len, generator=torch.Generator().manual_seed(5)) > 0.2
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    out = ops.attention(q, k_cache, v_cache, k_new, v_new, cache_pos, keep, 0.3, True, window, softcap)
+    expected = ops.attention_ref(q, k_ref, v_ref, k_new, v_new, cache_pos, keep, 0.3, True, window, softcap)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+def test_sliding_window_is_hf_mask_and_softcap_is_gemma2_eager():
+    """HF's sliding mask (masking_utils.sliding_window_overlay: kv > q - window, causal) and Gemma 2's eager
+    soft-capping (tanh(s / cap) * cap before the mask), written out as a dense reference."""
+    batch, heads, q_len, keys, dim, window, cap = 2, 4, 3, 9, 12, 4, 0.5
+    q, k, v, k_new, v_new = _qkv(batch, heads, 2, q_len, keys, dim, torch.float32, seed=6)
+    pos = torch.tensor([keys - q_len, 2])
+    out = ops.attention(q, k, v, k_new, v_new, pos, None, 0.4, True, window, cap)
+    for row, start in enumerate(pos.tolist()):
+        length = start + q_len
+        keys_row = k[row, :, :length].repeat_interleave(2, dim=0)
+        values_row = v[row, :, :length].repeat_interleave(2, dim=0)
+        scores = torch.tanh(q[row] @ keys_row.transpose(-1, -2) * 0.4 / cap) * cap  # [H, Tq, L]
+        query_pos = torch.arange(start, length)[:, None]
+        key_pos = torch.arange(length)[None, :]
+        visible = (key_pos <= query_pos) & (key_pos > query_pos - window)
+        expected = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ values_row
+        torch.testing.assert_close(out[row], expected.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_negative_window_or_softcap_is_a_clear_error():
+    q, k, v, _, _ = _qkv(1, 2, 2, 1, 4, 8, torch.float32)
+    for attention in (ops.attention, ops.attention_ref):
+        with pytest.raises(RuntimeError, match="'window' and 'softcap' must be >= 0"):
+            attention(q, k, v, None, None, None, None, 0.5, False, -1, 0.0)
+
+
+def test_opcheck_with_window_and_softcap():
+    q, k, v, k_new, v_new = _qkv(2, 4, 2, 3, 10, 8, torch.float32)
+    torch.library.opcheck(torch.ops.lightgen.attention.default,
+                          (q, k, v, k_new, v_new, torch.tensor([0, 4]), None, 0.5, True, 2, 0.3))

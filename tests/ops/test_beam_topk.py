@@ -77,8 +77,8 @@ def test_rough_threshold_keeps_few_candidates():
     assert (survivors >= k).all() and (survivors < beams * vocab // 100).all(), survivors
 
 
-def test_ties_go_to_the_smaller_flat_index():
-    values, indices, _ = ops.beam_topk(torch.zeros(6, 5), None, 3, 7, False)
+def test_stable_ties_go_to_the_smaller_flat_index():
+    values, indices, _ = ops.beam_topk(torch.zeros(6, 5), None, 3, 7, False, stable=True)
     torch.testing.assert_close(indices, torch.arange(7).expand(2, 7), atol=0, rtol=0)
     torch.testing.assert_close(values, torch.zeros(2, 7), atol=0, rtol=0)
 
@@ -86,10 +86,69 @@ def test_ties_go_to_the_smaller_flat_index():
 def test_masked_candidates_sort_last():
     scores = torch.full((4, 3), -INF)
     scores[1, 2] = 0.5
-    values, indices, survivors = ops.beam_topk(scores, torch.tensor([0.0, -1.0, -INF, 0.0]), 2, 6, True)
+    beam_scores = torch.tensor([0.0, -1.0, -INF, 0.0])
+    values, indices, survivors = ops.beam_topk(scores, beam_scores, 2, 6, True, stable=True)
     torch.testing.assert_close(values, torch.tensor([[-1.0] + [-INF] * 5, [-INF] * 6]), atol=0, rtol=0)
     torch.testing.assert_close(indices, torch.tensor([[5, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5]]), atol=0, rtol=0)
     torch.testing.assert_close(survivors, torch.tensor([6, 6]), atol=0, rtol=0)
+    _assert_orders_like_torch_topk(scores, beam_scores, 2, 6, True)
+
+
+def _assert_orders_like_torch_topk(scores, beam_scores, beams, k, log_softmax):
+    """The composite transformers' ``_get_top_k_continuations`` runs: torch.topk over [B, beams * V]."""
+    candidates = ops.beam_topk_ref.__globals__["_candidates"](scores, beam_scores, log_softmax)
+    expected = torch.topk(candidates.reshape(scores.shape[0] // beams, -1), k)
+    values, indices, _ = ops.beam_topk(scores, beam_scores, beams, k, log_softmax)
+    torch.testing.assert_close(indices, expected.indices, atol=0, rtol=0)
+    torch.testing.assert_close(values, expected.values, atol=0, rtol=0)
+
+
+def test_ties_in_the_issue_repro_are_ordered_as_torch_topk():
+    # V=150, 3 beams, two tokens at 0 and the rest -inf, the first step's beam scores [0, -1e9, -1e9], top 6.
+    scores = torch.full((3, 150), -INF)
+    scores[:, 2] = scores[:, 134] = 0.0
+    beam_scores = torch.tensor([0.0, -1e9, -1e9])
+    _assert_orders_like_torch_topk(scores, beam_scores, 3, 6, False)
+    expected = torch.topk((scores + beam_scores[:, None]).view(1, -1), 6)
+    assert not torch.equal(expected.indices, torch.sort(expected.indices).values)  # index order would be wrong
+
+
+def _tie_pattern(rows, vocab, pattern, gen):
+    if pattern == "constant":
+        return torch.zeros(rows, vocab)
+    if pattern == "few_levels":  # two or three distinct values: ties everywhere, also across beams
+        return torch.randint(0, 3, (rows, vocab), generator=gen).float()
+    if pattern == "forced":  # one token allowed (forced BOS/EOS), or a few (forced EOS given as a list)
+        scores = torch.full((rows, vocab), -INF)
+        allowed = torch.randint(0, vocab, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen)
+        scores[:, allowed] = 0.0
+        return scores
+    if pattern == "identical_beams":  # every beam the same row, as on the first step
+        return (torch.randn(1, vocab, generator=gen) * 3).round().expand(rows, vocab).contiguous()
+    scores = torch.randn(rows, vocab, generator=gen)  # "sparse": LM-like with a few duplicated values
+    duplicates = torch.randint(0, vocab, (rows, max(1, vocab // 8)), generator=gen)
+    return scores.scatter(1, duplicates, scores.gather(1, duplicates[:, :1]).expand_as(duplicates))
+
+
+@pytest.mark.parametrize("pattern", ["constant", "few_levels", "forced", "identical_beams", "sparse"])
+@pytest.mark.parametrize("log_softmax", [True, False], ids=["log_softmax", "raw"])
+def test_ties_are_ordered_as_torch_topk(pattern, log_softmax):
+    """Property: over many sizes (both sides of torch's k * 64 <= n switch between partial_sort and
+    nth_element) and every k class, the kernel returns torch.topk's values and indices, ties included."""
+    gen = torch.Generator().manual_seed(len(pattern) * 7 + log_softmax)
+    for case in range(60):
+        batch = int(torch.randint(1, 4, (1,), generator=gen))
+        beams = int(torch.randint(1, 7, (1,), generator=gen))
+        vocab = int(torch.tensor([1, 2, 5, 13, 63, 64, 150, 300, 1001])[torch.randint(0, 9, (1,), generator=gen)])
+        scores = _tie_pattern(batch * beams, vocab, pattern, gen)
+        beam_scores = None
+        if case % 3:
+            beam_scores = torch.zeros(batch * beams)
+            beam_scores.view(batch, beams)[:, 1:] = -1e9 if case % 3 == 1 else -torch.randint(
+                0, 3, (batch, beams - 1), generator=gen).float()
+        n = beams * vocab
+        for k in sorted({min(n, k) for k in (1, 2, 2 * beams, 3 * beams, max(1, n // 64), n // 64 + 1, n)}):
+            _assert_orders_like_torch_topk(scores, beam_scores, beams, k, log_softmax)
 
 
 def test_non_contiguous_scores_are_accepted():

@@ -7,11 +7,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TOLERANCES
+from conftest import TOLERANCES, linear_operand
 
 from lightgen import _build, ops
-from lightgen.modules.linear import packed_weights
-from lightgen.ops.linear import unpack_panels
+from lightgen.ops.linear import quantize_grouped
 
 pytestmark = pytest.mark.cuda
 
@@ -227,15 +226,8 @@ LINEAR_VARIANTS = [("fp32", "rows"), ("fp32", "k_major"), ("fp32", "packed"), ("
 
 
 def _linear_weights(out_features, in_features, variant, gen):
-    precision, layout = variant
-    weight = torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
-    if layout == "k_major":
-        return weight.t().contiguous().t().to(CUDA), None
-    packed = packed_weights(weight, None if precision == "fp32" else precision)
-    scale = packed.scale.to(CUDA) if packed.scale is not None else None
-    if layout == "packed":
-        return packed.weight.to(CUDA), scale
-    return unpack_panels(packed.weight, out_features).contiguous().to(CUDA), scale
+    weight, scale = linear_operand(torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5, *variant)
+    return weight.to(CUDA), None if scale is None else scale.to(CUDA)
 
 
 @pytest.mark.parametrize("variant", LINEAR_VARIANTS, ids=["-".join(v) for v in LINEAR_VARIANTS])
@@ -266,6 +258,7 @@ def _opcheck_cases():
     weight, bias = _randn(16, gen=gen), _randn(16, gen=gen)
     q, k, v, k_new, v_new = _qkv(2, 4, 2, 3, 10, 8, torch.float32)
     packed, _ = _linear_weights(40, 16, ("fp32", "packed"), gen)
+    int4 = [t.to(CUDA) for t in quantize_grouped(torch.randn(40, 16, generator=gen), 4, 8, zero_points=True)]
     return {
         "layer_norm": (x, weight, bias, 1e-5),
         "add_layer_norm": (x, residual, weight, bias, 1e-5),
@@ -276,6 +269,7 @@ def _opcheck_cases():
         "attention": (q, k, v, k_new, v_new, torch.tensor([0, 4], device=CUDA), None, 0.5, True),
         "embedding": (torch.tensor([[1, 2]], device=CUDA), x[0], 2.0, x[1], torch.tensor([[0, 3]], device=CUDA)),
         "linear": (x, packed, None, None, "none", 40),
+        "linear_grouped": (x, *int4, None, "none", 40, 8),
         "beam_topk": (_randn(6, 50, gen=gen), _randn(6, gen=gen), 3, 4, True),
     }
 

@@ -1,9 +1,15 @@
 import pytest
 import torch
+from conftest import linear_operand
 
 from lightgen import ops
-from lightgen.modules.linear import packed_weights
-from lightgen.ops.linear import pack_panels, unpack_panels
+from lightgen.modules.linear import QuantFormat, packed_weights
+from lightgen.ops.linear import (
+    dequantize_grouped,
+    pack_panels,
+    quantize_grouped,
+    unpack_panels,
+)
 
 ROWS = [1, 2, 3, 4, 5, 8, 17, 64]
 SHAPES = [(1, 1), (7, 15), (8, 16), (9, 17), (64, 64), (130, 33), (40, 512)]  # (out_features, in_features)
@@ -14,14 +20,7 @@ VARIANTS = [("fp32", "rows"), ("fp32", "k_major"), ("fp32", "packed"), ("bf16", 
 
 def _weights(out_features, in_features, variant, gen):
     """(weight operand, scale) for ops.linear."""
-    precision, layout = variant
-    weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
-    if layout == "k_major":
-        return weight.t().contiguous().t(), None
-    packed = packed_weights(weight, None if precision == "fp32" else precision)
-    if layout == "packed":
-        return packed.weight, packed.scale
-    return unpack_panels(packed.weight, out_features).contiguous(), packed.scale
+    return linear_operand(torch.randn(out_features, in_features, generator=gen) / in_features**0.5, *variant)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=["-".join(v) for v in VARIANTS])
@@ -62,14 +61,51 @@ def test_non_contiguous_input_and_empty_batch():
     assert ops.linear(torch.randn(0, 32), weight).shape == (0, 24)
 
 
-def test_int8_weights_are_close_to_float():
+# (bits, group_size, zero_points): group sizes 1 and odd, partial last groups, int4 with odd K.
+FORMATS = [QuantFormat(8, 64), QuantFormat(8, 1), QuantFormat(8, 5), QuantFormat(4, 32), QuantFormat(4, 2),
+           QuantFormat(4, 32, True), QuantFormat(4, 6, True)]
+FORMAT_IDS = [f"int{f.bits}-g{f.group_size}{'-zp' if f.zero_points else ''}" for f in FORMATS]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
+def test_linear_grouped_matches_reference(fmt, shape, rows):
+    gen = torch.Generator().manual_seed(rows * 100 + shape[0])
+    weight = torch.randn(*shape, generator=gen)
+    packed = packed_weights(weight, f"int{fmt.bits}", fmt)
+    x, bias = torch.randn(rows, shape[1], generator=gen), torch.randn(shape[0], generator=gen)
+    args = (packed.weight, packed.scale, packed.offset)
+    for b, act in ((bias, "none"), (None, "none"), (bias, "silu")):
+        torch.testing.assert_close(
+            ops.linear_grouped(x, *args, b, act, shape[0], fmt.group_size),
+            ops.linear_grouped_ref(x, *args, b, act, shape[0], fmt.group_size), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_grouped_rounding_error_is_at_most_half_a_step(fmt):
     gen = torch.Generator().manual_seed(1)
-    weight = torch.randn(64, 256, generator=gen)
-    quantized = packed_weights(weight, "int8")
-    dequantized = unpack_panels(quantized.weight, 64).float() * quantized.scale[:, None]
-    assert (dequantized - weight).abs().max(dim=1).values.le(quantized.scale / 2 + 1e-6).all()
-    zero_row = packed_weights(torch.zeros(2, 8), "int8")
-    assert torch.isfinite(zero_row.scale).all() and zero_row.weight.eq(0).all()
+    weight = torch.randn(70, 45, generator=gen)
+    packed, scale, offset = quantize_grouped(weight, fmt.bits, fmt.group_size, fmt.zero_points)
+    error = (dequantize_grouped(packed, scale, offset, fmt.group_size, 45, 70) - weight).abs()
+    step = unpack_panels(scale, 70).repeat_interleave(fmt.group_size, dim=1)[:, :45].abs()
+    # Symmetric int4 maps the largest magnitude to -8; the other sign clamps at +7, a step short at most.
+    assert error.le(step * (1.0 if (fmt.bits, fmt.zero_points) == (4, False) else 0.5) + 1e-6).all()
+    zeros = quantize_grouped(torch.zeros(2, 8), fmt.bits, fmt.group_size, fmt.zero_points)
+    assert all(torch.isfinite(t).all() for t in zeros if t is not None)
+    assert dequantize_grouped(*zeros, fmt.group_size, 8, 2).eq(0).all()
+
+
+def test_group_scales_keep_outlier_columns_from_coarsening_the_rest():
+    """Per-output-channel int8 lets one outlier weight set a whole row's step; groups of 64 keep it local."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(64, 576, generator=gen) * 0.02
+    weight[:, 7] = 2.0  # an outlier input feature, as real LLMs have
+    grouped = packed_weights(weight, "int8")
+    error = dequantize_grouped(grouped.weight, grouped.scale, None, grouped.group_size, 576, 64) - weight
+    per_channel = weight.abs().amax(dim=1, keepdim=True) / 127.0
+    channel_error = torch.round(weight / per_channel) * per_channel - weight
+    assert error[:, 64:].norm() < 0.05 * channel_error[:, 64:].norm()
 
 
 def test_bad_inputs_raise_named_errors():
@@ -92,8 +128,37 @@ def test_bad_inputs_raise_named_errors():
         ops.linear(torch.randn(2, 16), weight, None, None, "none", 9)
 
 
+def test_linear_grouped_bad_inputs_raise_named_errors():
+    x = torch.randn(2, 16)
+    int8 = packed_weights(torch.randn(8, 16), "int8", QuantFormat(8, 4))
+    int4 = packed_weights(torch.randn(8, 16), "int4", QuantFormat(4, 4, True))
+    with pytest.raises(RuntimeError, match="'weight' must be int8 or uint8"):
+        ops.linear_grouped(x, int8.weight.float(), int8.scale, None, None, "none", 8, 4)
+    with pytest.raises(RuntimeError, match="must be packed \\[panels, 7, 64\\] for in_features=14"):
+        ops.linear_grouped(torch.randn(2, 14), int4.weight, int4.scale, int4.offset, None, "none", 8, 4)
+    with pytest.raises(RuntimeError, match="group_size must be even and positive, got 3"):
+        ops.linear_grouped(x, int4.weight, int4.scale, int4.offset, None, "none", 8, 3)
+    with pytest.raises(RuntimeError, match="'scale' must be a float32 tensor of shape \\[1, 2, 64\\] on cpu"):
+        ops.linear_grouped(x, int8.weight, int8.scale, None, None, "none", 8, 8)
+    with pytest.raises(RuntimeError, match="'offset' \\(zero points\\) is for int4 weights only"):
+        ops.linear_grouped(x, int8.weight, int8.scale, int8.scale, None, "none", 8, 4)
+    with pytest.raises(RuntimeError, match="packed weights need out_features in \\(0, 64\\], got 65"):
+        ops.linear_grouped(x, int8.weight, int8.scale, None, None, "none", 65, 4)
+    with pytest.raises(ValueError, match="unsupported bits=4, group_size=3"):
+        quantize_grouped(torch.randn(8, 16), 4, 3)
+
+
 @pytest.mark.parametrize("variant", [("fp32", "rows"), ("int8", "packed")], ids=["fp32", "int8-packed"])
 def test_opcheck(variant):
     weight, scale = _weights(24, 32, variant, torch.Generator().manual_seed(0))
     torch.library.opcheck(torch.ops.lightgen.linear.default,
                           (torch.randn(3, 32), weight, scale, torch.randn(24), "gelu", 24))
+
+
+@pytest.mark.parametrize("fmt", [QuantFormat(8, 8), QuantFormat(4, 8), QuantFormat(4, 8, True)],
+                         ids=["int8", "int4", "int4-zp"])
+def test_opcheck_grouped(fmt):
+    packed = packed_weights(torch.randn(24, 33), f"int{fmt.bits}", fmt)
+    torch.library.opcheck(torch.ops.lightgen.linear_grouped.default,
+                          (torch.randn(3, 33), packed.weight, packed.scale, packed.offset, torch.randn(24), "gelu",
+                           24, 8))

@@ -2,13 +2,15 @@
 one failing request does not fail its batch-mates. Needs no serving extra."""
 
 import copy
+import dataclasses
+import json
 
 import pytest
 import torch
 
 import lightgen
 from lightgen.demo import EXAMPLES, held_out_pairs, load_demo_drafter, load_demo_model
-from lightgen.serving.core import Generator, Limits
+from lightgen.serving.core import SETTINGS, Generator, Limits, answer_json, internal_error
 
 from models import build
 
@@ -72,7 +74,14 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(demo, generator):
     ({"text": "ok", "do_sample": 1}, "'do_sample' must be true or false"),
     ({"text": "ok", "top_k": 5}, "'top_k' needs do_sample=true"),
     ({"text": "ok", "do_sample": True, "top_p": 1.5}, "'top_p' must be in (0.0, 1.0], got 1.5"),
-    ({"text": "ok", "do_sample": True, "temperature": 0}, "'temperature' must be in (0.0, 100.0], got 0"),
+    ({"text": "ok", "do_sample": True, "temperature": 0}, "'temperature' must be in [0.01, 100.0], got 0"),
+    ({"text": "ok", "do_sample": True, "temperature": 1e-300}, "'temperature' must be in [0.01, 100.0], got 1e-300"),
+    ({"text": "ok", "num_beams": 10**5000}, "got an integer of 16610 bits"),
+    ({"text": "a \ud800"}, "'text' is not valid Unicode: surrogates not allowed (character 2)"),
+    ({"text": "é" * 1500}, "'text' is 3000 bytes; this server takes at most 2048 (lightgen serve --max-text-bytes)"),
+    ({"text": "x" * 10**6}, "'text' is at least 1000000 bytes; this server takes at most 2048"),
+    ({"input_ids": [5] * 10**5}, "input is 100000 tokens; this server takes at most 64"),
+    ({"input_ids": [[[5]]]}, "'input_ids' must be a non-empty list of integers"),
     ({"text": "ok", "decoding": "beam"}, "'decoding' must be one of 'auto', 'iad', 'gad', got 'beam'"),
     ({"text": "ok", "decoding": "iad", "num_beams": 2}, "decoding='iad' is greedy decoding"),
     ({"text": "ok", "decoding": "gad", "do_sample": True}, "decoding='gad' is greedy decoding"),
@@ -96,6 +105,81 @@ def test_bad_requests_get_an_error_and_their_batch_mates_an_answer(generator, re
     answers = generator.generate([good, request_, good])
     assert answers[1] == {"error": answers[1]["error"]} and message in answers[1]["error"]
     assert answers[0] == answers[2] and answers[0]["output_ids"][-1] == 2
+
+
+def test_every_bad_setting_is_reported_at_once(generator):
+    (answer,) = generator.generate([{"text": "", "num_beams": 0, "decoding": "beam", "top_k": 5, "colour": 1}])
+    assert answer["error"].split("; ") == [
+        "'text' must be a non-empty string", f"unknown setting(s) ['colour'] (known: text or input_ids, {', '.join(SETTINGS)})",
+        "'top_k' needs do_sample=true",
+        "'decoding' must be one of 'auto', 'iad', 'gad', got 'beam'", "'num_beams' must be in [1, 8], got 0"]
+
+
+class _CountingTokenizer:
+    """The demo tokenizer, counting its calls and raising ``raises`` for the text "poison"."""
+
+    def __init__(self, tokenizer, raises=None):
+        self.tokenizer, self.raises, self.calls = tokenizer, raises, 0
+
+    def __call__(self, text):
+        self.calls += 1
+        if text == "poison":
+            raise self.raises
+        return self.tokenizer(text)
+
+    def decode(self, *args, **kwargs):
+        return self.tokenizer.decode(*args, **kwargs)
+
+
+def test_limits_refuse_before_tokenizing(generator):
+    counting = generator.tokenizer = _CountingTokenizer(generator.tokenizer)
+    answers = generator.generate([{"text": "x" * 5000}, {"text": "a \ud800"}, {"text": "ok", "num_beams": 0}])
+    assert all("error" in answer for answer in answers) and counting.calls == 0
+    # What Ray's route asks before queueing a request for a batch: the same refusals, no tokenizer.
+    assert generator.refusal({"text": "a \ud800"}) == answers[1]["error"]
+    assert generator.refusal({"text": "ok"}) is None and counting.calls == 0
+
+
+@pytest.mark.parametrize("error", [TypeError("boom"), RecursionError(), KeyError("k"), MemoryError()])
+def test_any_exception_while_reading_a_request_fails_it_alone(demo, generator, error, caplog):
+    _, accelerated, tokenizer = demo
+    generator.tokenizer = _CountingTokenizer(tokenizer, raises=error)
+    with caplog.at_level("ERROR", logger="lightgen.serving"):
+        answers = generator.generate([{"text": EXAMPLES[0]}, {"text": "poison"}, {"text": EXAMPLES[2]}])
+    assert answers[1] == internal_error() and "Traceback" not in answers[1]["error"]
+    assert [answers[0]["output_ids"], answers[2]["output_ids"]] == [
+        _direct(accelerated, tokenizer, EXAMPLES[0]), _direct(accelerated, tokenizer, EXAMPLES[2])]
+    assert type(error).__name__ in caplog.text  # the traceback is logged server-side
+
+
+def test_triton_rows_poison_never_fails_their_batch_mates(demo, generator):
+    """Triton's JSON rows: nesting past Python's recursion limit (a RecursionError in ``json`` before), past
+    what a request needs, rows over the body limit, bytes that are not UTF-8, integers json refuses."""
+    _, accelerated, tokenizer = demo
+    generator.limits = dataclasses.replace(generator.limits, max_body_bytes=8192)
+    good = json.dumps({"text": EXAMPLES[0]}).encode()
+    rows = [good, b"[" * 5000, b'{"text": "a", "x": [[[[[1]]]]]}', json.dumps({"text": "a" * 9000}).encode(),
+            b'{"text": "\xff\xfe"}', b"\xff\xfe{}", b'{"seed": ' + b"9" * 5000 + b"}", good]
+    answers = [json.loads(answer) for answer in answer_json(generator, rows)]
+    expected = _direct(accelerated, tokenizer, EXAMPLES[0])
+    assert answers[0]["output_ids"] == expected and answers[-1] == answers[0]
+    messages = [answer["error"] for answer in answers[1:-1]]
+    assert "request JSON nests deeper than 4 levels" in messages[0] and "deeper than 4" in messages[1]
+    assert messages[2] == f"request is {len(rows[3])} bytes; this server takes at most 8192 (lightgen serve " \
+                          "--max-body-bytes)"
+    assert all(m.startswith("request is not JSON") for m in messages[3:]), messages
+
+
+def test_an_unforeseen_failure_answers_every_row(generator, monkeypatch, caplog):
+    monkeypatch.setattr(generator, "_generate_all", lambda requests: 1 / 0)
+    with caplog.at_level("ERROR", logger="lightgen.serving"):
+        answers = answer_json(generator, [b'{"text": "a"}', b'{"text": "b"}'])
+    assert [json.loads(a) for a in answers] == [internal_error()] * 2 and "ZeroDivisionError" in caplog.text
+
+
+def test_cold_sampling_still_samples(generator):
+    (answer,) = generator.generate([{"text": EXAMPLES[0], "do_sample": True, "temperature": 0.01, "seed": 1}])
+    assert answer["output_ids"][-1] == 2
 
 
 def test_a_request_that_fails_inside_generate_fails_alone(demo, generator, monkeypatch):
@@ -160,6 +244,8 @@ def test_serve_command_checks_its_options(capsys):
 
     for argv, message in [(["--num-replicas", "2", "--max-replicas", "1"], "--max-replicas must be at least"),
                           (["--max-batch-size", "0"], "--max-batch-size must be positive"),
+                          (["--max-body-bytes", "0", "--drain-timeout", "-1"],  # all at once
+                           "--max-body-bytes must be positive; --drain-timeout must be positive"),
                           (["--backend", "ray", "--export-repository", "x"], "--export-repository is for --backend")]:
         with pytest.raises(SystemExit):
             main(["serve"] + argv)

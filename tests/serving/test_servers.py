@@ -10,8 +10,10 @@ import concurrent.futures
 import importlib
 import json
 import os
+import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -25,7 +27,7 @@ import torch
 
 from lightgen.demo import EXAMPLES, held_out_pairs, load_demo_model
 from lightgen.serving import EXTRA_PACKAGES
-from lightgen.serving.client import Client
+from lightgen.serving.client import Client, read_infer_answers
 from lightgen.serving.launch import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,6 +52,7 @@ def server(request):
                             stop_signal=signal.SIGINT if request.param == "triton" else signal.SIGTERM,
                             sigint_ignored=request.param == "triton")
     with process as client:
+        client.process = process  # for the tests that look at its sockets and memory
         yield client
     _assert_clean_stop(process)
 
@@ -265,3 +268,177 @@ def test_serve_benchmark_quick_run(tmp_path):
     assert [(r["provider"], [level["requests"] for level in r["levels"]]) for r in runs] == [
         ("lightgen", [8, 8]), ("hf", [8, 8])]
     assert all(r["same_outputs"] for r in runs) and "| triton | lightgen | 4 |" in result.stdout
+
+
+def _post(client, body: bytes, timeout: float = 120.0) -> tuple[int, str]:
+    """(status, response text) of one raw POST to the backend's inference route."""
+    path = "/v2/models/lightgen/infer" if client.backend == "triton" else "/generate"
+    request = urllib.request.Request(client.url + path, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(errors="replace")
+
+
+def _poison_bodies(backend: str) -> dict[str, bytes]:
+    """Requests that failed their batch-mates, held a replica or leaked a traceback before (issue 21), as the
+    HTTP body each backend takes (Triton: the same bytes as one row's string)."""
+    rows = {"lone surrogate": json.dumps({"text": "a \ud800"}),
+            "nested past the recursion limit": "[" * 100000,
+            "nested deeper than a request": json.dumps({"text": "a", "input_ids": [[[[1]]]]}),
+            "text over the byte limit": json.dumps({"text": "word " * 100000}),  # 500 KB, under the body cap
+            "every setting wrong": json.dumps({"text": "", "num_beams": 0, "temperature": 1e-300, "decoding": 1}),
+            "not JSON": "{not json"}
+    if backend == "triton":
+        bodies = {name: json.dumps({"inputs": [{"name": "request", "shape": [1, 1], "datatype": "BYTES",
+                                                "data": [row]}]}).encode() for name, row in rows.items()}
+        bodies["row over the body cap"] = json.dumps({"inputs": [{"name": "request", "shape": [1, 1],
+                                                                  "datatype": "BYTES", "data": ["x" * (1 << 21)]}]})
+        return {name: body if isinstance(body, bytes) else body.encode() for name, body in bodies.items()}
+    bodies = {name: row.encode() for name, row in rows.items()}
+    bodies["body over the cap"] = b"x" * (1 << 21)
+    bodies["a list with a poison row"] = json.dumps([{"text": "a \ud800"}, {"text": "a", "input_ids": [1]}]).encode()
+    return bodies
+
+
+def _refused(backend: str, status: int, text: str) -> bool:
+    """A poison request's answer: a 4xx (Ray), or HTTP 200 whose every row is an error (Triton, as for any
+    row it refuses), and in no case a traceback."""
+    if "Traceback" in text or 'File "' in text:
+        return False
+    if backend == "ray":
+        return 400 <= status < 500 or (status == 200 and all("error" in a for a in json.loads(text)))
+    return status == 200 and all("error" in answer for answer in read_infer_answers(json.loads(text)))
+
+
+def test_poison_requests_fail_alone_and_leak_no_traceback(server, direct):
+    sentences, answers, _ = direct
+    poison = _poison_bodies(server.backend)
+    good = [{"text": text} for text in sentences[:8]]
+    calls = [lambda r=r: ("good", r, server.generate([r])[0]) for r in good]
+    calls += [lambda n=n, b=b: ("poison", n, _post(server, b)) for n, b in poison.items()]
+    random.Random(0).shuffle(calls)
+    results = _concurrently(calls)
+    for kind, what, result in results:
+        if kind == "good":
+            assert result["output_ids"] == answers[what["text"], 1], what
+        else:
+            assert _refused(server.backend, *result), (what, result[0], result[1][:2000])
+    _, text = _post(server, poison["lone surrogate"])
+    assert "not valid Unicode" in text and "surrogates not allowed" in text
+    if server.backend == "ray":
+        assert _post(server, poison["body over the cap"])[0] == 413
+        assert "nests deeper than 4 levels" in _post(server, poison["nested past the recursion limit"])[1]
+    assert server.ready()
+
+
+def test_everything_the_server_starts_listens_on_loopback_only(server):
+    """`lightgen serve` on 127.0.0.1: Triton's HTTP, gRPC and metrics ports; Ray's GCS, raylet, workers,
+    agents, metrics, Serve's controller, proxy and replicas (Ray on its own binds most of them to every
+    interface, issue 21); Ray's control plane with token authentication on."""
+    sockets = server.process.listening()
+    assert sockets and all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for _, ip, _ in sockets), sockets
+    if server.backend == "ray":
+        names = {name for name, _, _ in sockets}
+        assert {"gcs_server", "raylet"} <= names, names
+        for process in server.process.processes():
+            if process.name() in ("gcs_server", "raylet"):
+                assert process.environ().get("RAY_AUTH_MODE") == "token", process.name()
+
+
+SOAK_REQUESTS, SOAK_CLIENTS, SOAK_SECONDS = 160, 8, 300
+SOAK_RSS_GROWTH = 256 << 20
+
+
+def test_soak_good_and_poison_requests_concurrently(server, direct):
+    """Bounded soak (count and time): 20% poison requests of every kind above mixed into greedy, beam and
+    IAD calls from concurrent clients; every good request answered correctly, memory bounded. Prints the
+    figures (pytest -s)."""
+    sentences, answers, _ = direct
+    poison = list(_poison_bodies(server.backend).items())
+    settings = [{}, {"num_beams": 2}, {"decoding": "iad"}]
+    rng = random.Random(21)
+    plan = [("poison", poison[i % len(poison)]) if rng.random() < 0.2 else
+            ("good", dict(text=rng.choice(sentences), **settings[i % len(settings)])) for i in range(SOAK_REQUESTS)]
+    server.generate([{"text": sentences[0]}])  # warm-up: first calls allocate caches
+    rss_before = server.process.rss_bytes()
+    deadline = time.monotonic() + SOAK_SECONDS
+
+    def one(kind, what):
+        if time.monotonic() > deadline:
+            return kind, what, "skipped", 0.0
+        start = time.perf_counter()
+        try:
+            result = server.generate([what])[0] if kind == "good" else _post(server, what[1])
+        except Exception as error:  # counted as lost
+            result = error
+        return kind, what, result, time.perf_counter() - start
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=SOAK_CLIENTS) as pool:
+        results = list(pool.map(lambda item: one(*item), plan))
+    rss_growth = server.process.rss_bytes() - rss_before
+    good = [(what, result, seconds) for kind, what, result, seconds in results if kind == "good" and result != "skipped"]
+    bad = [(what, result) for kind, what, result, _ in results if kind == "poison" and result != "skipped"]
+    refusals = sorted(seconds for kind, _, result, seconds in results if kind == "poison" and result != "skipped")
+    lost = [what for what, result, _ in good if not isinstance(result, dict) or "output_ids" not in result]
+    wrong = [what for what, result, _ in good if isinstance(result, dict) and "output_ids" in result
+             and result["output_ids"] != answers[what["text"], what.get("num_beams", 1)]]
+    leaked = [what[0] for what, result in bad if isinstance(result, Exception) or not _refused(server.backend, *result)]
+    latencies = sorted(seconds for _, _, seconds in good)
+    print(f"\nsoak {server.backend}: {len(good) + len(bad)} of {SOAK_REQUESTS} requests sent ({len(bad)} poison), "
+          f"good answered {len(good) - len(lost)}/{len(good)}, lost {len(lost)}, wrong {len(wrong)}, poison not "
+          f"refused cleanly {len(leaked)}, p50 {statistics.median(latencies) * 1e3:.0f} ms, p99 "
+          f"{latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3:.0f} ms (poison refused: p50 "
+          f"{statistics.median(refusals) * 1e3:.0f} ms, max {refusals[-1] * 1e3:.0f} ms), RSS "
+          f"{rss_before / 2**20:.0f} MiB -> {(rss_before + rss_growth) / 2**20:.0f} MiB "
+          f"({rss_growth / 2**20:+.0f} MiB)")
+    assert len(good) >= SOAK_REQUESTS // 2, "the time bound cut the soak short"  # a signal, not a timing assert
+    assert not lost and not wrong and not leaked, (lost[:3], wrong[:3], leaked[:3])
+    assert rss_growth < SOAK_RSS_GROWTH, rss_growth
+    assert server.ready()
+
+
+def test_ray_drains_in_flight_requests_on_sigterm(direct):
+    """SIGTERM while requests are being served: every request the replica already took is answered (as
+    direct generate), requests sent after the stop began are refused, and the server exits 0."""
+    _require("ray")
+    sentences, answers, _ = direct
+    process = ServerProcess("ray", ["--max-new-tokens", str(MAX_NEW_TOKENS), "--max-batch-size", "4",
+                                    "--max-delay-ms", "20", "--drain-timeout", "300"])  # a loaded CI machine
+    in_flight = [{"text": text, "num_beams": 2} for text in sentences[:12]]  # three batches of four
+    with process as client, concurrent.futures.ThreadPoolExecutor(max_workers=len(in_flight)) as pool:
+        futures = [pool.submit(lambda r=r: client.generate([r])[0]) for r in in_flight]
+        deadline = time.monotonic() + 60
+        while client._call("/stats")[1]["received"] < len(in_flight):  # all taken by the replica
+            assert time.monotonic() < deadline, "the requests never reached the replica"
+            time.sleep(0.05)
+        process.stop()
+        late = []  # a request every 0.2 s after the stop: until one is refused
+        while (not late or late[-1] == 200) and len(late) < 100:
+            time.sleep(0.2)
+            try:
+                late.append(_post(client, json.dumps({"text": sentences[0]}).encode(), timeout=30)[0])
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
+                late.append(type(error).__name__)
+        drained = sum(f.done() for f in futures)  # answered by the time new requests were refused
+        got = [f.result() for f in futures]
+    assert [a["output_ids"] for a in got] == [answers[r["text"], 2] for r in in_flight]
+    print(f"\ndrain: new requests after the stop: {late}; in-flight answered before the first refusal: {drained}")
+    assert late[-1] != 200, late  # (ones sent before the stop took hold were answered, not cut)
+    _assert_clean_stop(process)
+
+
+def test_triton_exits_non_zero_when_tritonserver_dies():
+    """kill -9 of the tritonserver under `lightgen serve`: it exits non-zero (a supervisor restarts it)
+    instead of 0."""
+    _require("triton")
+    process = ServerProcess("triton", ["--max-new-tokens", "8"])
+    with process as client:
+        assert client.generate([{"text": EXAMPLES[0]}])[0]["output_ids"]
+        (tritonserver,) = [p for p in process.processes() if p.name() == "tritonserver"]
+        tritonserver.kill()
+        process.process.wait(timeout=120)
+    assert process.returncode not in (0, None), process.output[-3000:]
+    assert "tritonserver exited without being asked to stop" in process.output
+    assert not process.leftovers and not process.workspaces

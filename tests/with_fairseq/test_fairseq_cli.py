@@ -1,5 +1,5 @@
 """fairseq-interactive / fairseq-generate with and without the plugin
-(``--user-dir integrations/lightgen_fairseq --task translation_lightgen``), compared line by line,
+(``--user-dir "$(lightgen fairseq-plugin-dir)" --task translation_lightgen``), compared line by line,
 and the hub interface (``TransformerModel.from_pretrained``) accelerated in Python."""
 
 import os
@@ -21,13 +21,15 @@ from fairseq.models.transformer import TransformerModel  # noqa: E402
 
 import lightgen  # noqa: E402
 from lightgen.adapters.fairseq import allow_fairseq_checkpoints  # noqa: E402
-from lightgen.drafting import DrafterConfig, NARDrafter  # noqa: E402
-from lightgen.drafting import main as drafter_main  # noqa: E402
+from lightgen.drafter_cli import main as drafter_main  # noqa: E402
+from lightgen.generation.drafting import DrafterConfig, NARDrafter  # noqa: E402
+from lightgen.integrations import FAIRSEQ_PLUGIN_DIR  # noqa: E402
 
 pytestmark = pytest.mark.fairseq
 
-PLUGIN = Path(__file__).resolve().parents[2] / "integrations" / "lightgen_fairseq"
+PLUGIN = FAIRSEQ_PLUGIN_DIR  # the installed package's folder, as `lightgen fairseq-plugin-dir` prints it
 PLUGIN_FLAGS = ["--user-dir", str(PLUGIN), "--task", "translation_lightgen"]
+SOURCE_TREE_PLUGIN = Path(__file__).resolve().parents[2] / "integrations" / "lightgen_fairseq"  # the old path
 SCORE_TOL = 1e-4
 POSITIONAL_TOL = 2e-4  # P- lines are printed with 4 decimals: rounding adds up to 1e-4
 # fairseq itself cannot load its checkpoints under torch >= 2.6 (weights_only=True and a pickled
@@ -67,10 +69,10 @@ def workdir(tmp_path_factory):
     return root
 
 
-def _run(workdir, tool: str, flags: list[str], plugin: bool, stdin: str | None = None):
+def _run(workdir, tool: str, flags: list[str], plugin: bool, stdin: str | None = None, plugin_dir: Path = PLUGIN):
     common = [str(workdir / "bin"), "--path", str(workdir / "model.pt"), "--source-lang", "src",
               "--target-lang", "tgt", *flags]
-    command = ([f"fairseq-{tool}", *common, *PLUGIN_FLAGS] if plugin
+    command = ([f"fairseq-{tool}", *common, "--user-dir", str(plugin_dir), "--task", "translation_lightgen"] if plugin
                else [sys.executable, "-c", VANILLA.format(tool), *common])
     done = subprocess.run(command, input=stdin, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -119,6 +121,16 @@ def test_interactive_same_lines(workdir, vanilla_flags, plugin_flags):
     assert "running fairseq's own generator" not in stderr
     assert_same_output(expected, got)
     assert _finished_early(got)
+
+
+def test_the_source_trees_old_plugin_path_still_works(workdir):
+    """``--user-dir integrations/lightgen_fairseq`` imports the installed plugin: the same lines, no fallback."""
+    text = "\n".join(_lines(6, 4)) + "\n"
+    expected, _ = _run(workdir, "interactive", ["--beam", "3"], plugin=True, stdin=text)
+    got, stderr = _run(workdir, "interactive", ["--beam", "3"], plugin=True, stdin=text, plugin_dir=SOURCE_TREE_PLUGIN)
+    assert "running fairseq's own generator" not in stderr
+    drop_timings = lambda lines: [line for line in lines if not line.startswith("W-")]
+    assert drop_timings(got) == drop_timings(expected) and any(line.startswith("H-") for line in got)
 
 
 @pytest.mark.parametrize("flags", [

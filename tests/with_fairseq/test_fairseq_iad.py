@@ -4,6 +4,7 @@ length settings, on random models (drafts rejected) and on a model trained to co
 accepted: outputs longer and shorter than their inputs, repeated n-grams, one-word inputs); GAD with an
 untrained and a trained drafter; GAD++'s relaxed choices scored as fairseq scores them."""
 
+import copy
 import os
 
 import pytest
@@ -19,9 +20,9 @@ from fairseq.data import Dictionary  # noqa: E402
 from test_fairseq_api import VARIANTS, assert_same_hypotheses  # noqa: E402
 
 import lightgen  # noqa: E402
-from lightgen.adapters.fairseq import AggressiveGenerator, encoder_for_drafting, iad_unsupported  # noqa: E402
-from lightgen.drafting import DrafterConfig, NARDrafter, train_drafter  # noqa: E402
 from lightgen.generation.aggressive import GREEDY, Acceptance  # noqa: E402
+from lightgen.generation.drafting import DrafterConfig, NARDrafter, train_drafter  # noqa: E402
+from lightgen.generation.fairseq_greedy import AggressiveGenerator, encoder_for_drafting, iad_unsupported  # noqa: E402
 
 pytestmark = pytest.mark.fairseq
 
@@ -54,13 +55,19 @@ def _batch(vocab: Dictionary, sentences: list[str]) -> dict:
     return {"net_input": {"src_tokens": tokens, "src_lengths": torch.tensor([len(row) for row in rows])}}
 
 
+def _on_lightgen(model):
+    """An accelerated copy (``AggressiveGenerator`` runs on lightgen's decoder); ``model`` stays fairseq's own."""
+    return lightgen.accelerate_model(copy.deepcopy(model))
+
+
 def _both(model, sample, block_size=4, drafter=None, acceptance=GREEDY, **settings):
     settings.setdefault("max_len_b", 20)
     vocab = fm.dictionary()
     greedy = fm.generator([model], vocab, beam_size=1, **settings)
-    aggressive = AggressiveGenerator(fm.generator([model], vocab, beam_size=1, **settings), block_size=block_size,
-                                     drafter=drafter, acceptance=acceptance)
-    return greedy.generate([model], sample), aggressive.generate([model], sample), aggressive
+    accelerated = _on_lightgen(model)
+    aggressive = AggressiveGenerator(fm.generator([accelerated], vocab, beam_size=1, **settings),
+                                     block_size=block_size, drafter=drafter, acceptance=acceptance)
+    return greedy.generate([model], sample), aggressive.generate([accelerated], sample), aggressive
 
 
 def _drafter(seed=0, layers=1):
@@ -79,7 +86,7 @@ def trained_drafter(copy_model):
     sentences = [" ".join(f"w{int(i)}" for i in torch.randint(0, fm.WORDS, (int(n),), generator=gen))
                  for n in torch.randint(1, 9, (256,), generator=gen)]
     sample = _batch(vocab, sentences)
-    sources = AggressiveGenerator(fm.generator([copy_model], vocab, beam_size=1)).draft_sources(
+    sources = AggressiveGenerator(fm.generator([_on_lightgen(copy_model)], vocab, beam_size=1)).draft_sources(
         sample["net_input"]["src_tokens"])
     _, hypotheses, _ = _both(copy_model, sample)
     targets = [[vocab.eos()] + hypos[0]["tokens"].tolist() for hypos in hypotheses]
@@ -106,7 +113,6 @@ def test_gad_same_hypotheses_as_greedy(copy_model, trained_drafter, settings, bl
 @pytest.mark.parametrize("seed, batch, length, variant", [(0, 2, 6, "post-norm"), (1, 5, 9, "pre-norm")])
 def test_gad_on_random_models_same_hypotheses_as_greedy(seed, batch, length, variant):
     model = fm.build(seed, **VARIANTS[variant])
-    lightgen.accelerate_model(model)
     sample = fm.source_batch(fm.dictionary(), batch, length, seed)
     for settings in SETTINGS[:3]:
         expected, got, _ = _both(model, sample, drafter=_drafter(seed, layers=2), **settings)
@@ -138,7 +144,7 @@ def test_a_drafter_for_another_model_is_refused():
     vocab = fm.dictionary()
     wide = NARDrafter(DrafterConfig(vocab_size=len(vocab), pad_token_id=vocab.pad(), d_model=32, heads=4))
     with pytest.raises(ValueError, match="not made for this model"):
-        AggressiveGenerator(fm.generator([fm.build(0)], vocab, beam_size=1), drafter=wide)
+        AggressiveGenerator(fm.generator([_on_lightgen(fm.build(0))], vocab, beam_size=1), drafter=wide)
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "default")
@@ -156,8 +162,7 @@ def test_copy_model_same_hypotheses_as_greedy(copy_model, settings, block_size):
     (0, 1, 5, "post-norm"), (1, 3, 9, "pre-norm"), (2, 6, 12, "post-norm"), (3, 9, 4, "pre-norm"),
 ])
 def test_random_models_same_hypotheses_as_greedy(seed, batch, length, variant, step_counter):
-    model = fm.build(seed, **VARIANTS[variant])
-    lightgen.accelerate_model(model)  # the packed LM head, as in the plugin
+    model = fm.build(seed, **VARIANTS[variant])  # _both accelerates a copy: the packed LM head, as in the plugin
     sample = fm.source_batch(fm.dictionary(), batch, length, seed)
     for settings in SETTINGS[:3]:
         expected, got, _ = _both(model, sample, **settings)
@@ -185,7 +190,7 @@ def test_drafts_are_source_words_in_target_ids():
     for index in reversed(range(fm.WORDS)):
         source.add_symbol(f"w{index}")
     source.add_symbol("only-in-source")
-    iad = AggressiveGenerator(fm.generator([fm.build(0)], target, beam_size=1), src_dict=source)
+    iad = AggressiveGenerator(fm.generator([_on_lightgen(fm.build(0))], target, beam_size=1), src_dict=source)
     sample = _batch(source, ["w3 w1", "only-in-source w0 w7"])
     assert iad.draft_sources(sample["net_input"]["src_tokens"]) == [
         [target.index("w3"), target.index("w1"), target.eos()],
@@ -198,7 +203,7 @@ def test_prefix_tokens_run_fairseq_greedy_with_one_warning(copy_model):
     prefix = torch.tensor([[4], [5], [6]])
     expected = fm.generator([copy_model], vocab, beam_size=1, max_len_b=20).generate(
         [copy_model], sample, prefix_tokens=prefix)
-    iad = AggressiveGenerator(fm.generator([copy_model], vocab, beam_size=1, max_len_b=20))
+    iad = AggressiveGenerator(fm.generator([_on_lightgen(copy_model)], vocab, beam_size=1, max_len_b=20))
     with pytest.warns(RuntimeWarning, match="prefix tokens or constraints"):
         assert_same_hypotheses(expected, iad.generate([copy_model], sample, prefix_tokens=prefix))
     assert iad.stats.sentences == 0
@@ -217,3 +222,10 @@ def test_settings_iad_cannot_reproduce_are_named(settings, reason):
     with pytest.raises(ValueError, match=reason):
         AggressiveGenerator(generator)
     assert "ensemble" in iad_unsupported(fm.generator([model, fm.build(1)], fm.dictionary(), beam_size=1))
+
+
+def test_a_model_not_accelerated_is_named():
+    generator = fm.generator([fm.build(0)], fm.dictionary(), beam_size=1)
+    assert "lightgen.accelerate_model" in iad_unsupported(generator)
+    with pytest.raises(ValueError, match="not accelerated"):
+        AggressiveGenerator(generator)

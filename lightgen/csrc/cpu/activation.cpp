@@ -32,6 +32,19 @@ inline void store_floats<float>(const fVec& v, float* p, int64_t n) {
   if (n == fVec::size()) v.store(p); else v.store(p, n);
 }
 
+// v rounded to scalar_t and widened again: where the composite (act(x + bias), act(gate) * up in the
+// tensor's dtype) rounds, so that fp16 / bf16 results are the composite's, not one rounding at the end.
+template <typename scalar_t>
+inline fVec round_to(const fVec& v, int64_t n) {
+  scalar_t tmp[fVec::size()];
+  store_floats(v, tmp, n);
+  return load_floats(tmp, n);
+}
+template <>
+inline fVec round_to<float>(const fVec& v, int64_t) {
+  return v;
+}
+
 // out[r, :] = act(x[r, :] + bias), or act(x) * up; the activation and the optional operands are
 // compile-time so the inner loop is branch-free.
 template <typename scalar_t, Act act, bool has_bias, bool gated>
@@ -47,9 +60,9 @@ void act_rows(const Tensor& x, const float* bias, const Tensor* up, Tensor& out)
         const int64_t len = std::min<int64_t>(fVec::size(), c - i);
         const int64_t at = r * c + i;
         fVec v = load_floats(xp + at, len);
-        if constexpr (has_bias) v = v + fVec::loadu(bias + i, len);
+        if constexpr (has_bias) v = round_to<scalar_t>(v + fVec::loadu(bias + i, len), len);
         v = apply_act<act>(v);
-        if constexpr (gated) v = v * load_floats(up_p + at, len);
+        if constexpr (gated) v = round_to<scalar_t>(v, len) * load_floats(up_p + at, len);
         store_floats(v, op + at, len);
       }
     }

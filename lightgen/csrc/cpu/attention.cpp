@@ -1,6 +1,7 @@
 // Attention over a preallocated KV cache: the step's new K/V are written in place at each row's
 // cache position, then scale + mask + softmax + weighted sum run per (batch, head, query).
 #include <torch/library.h>
+#include <cmath>
 #include <limits>
 #include "../include/attention_mask.h"
 #include "../include/checks.h"
@@ -38,7 +39,7 @@ void write_new_kv(const Tensor& src, Tensor& cache, const std::vector<int64_t>& 
 
 template <typename scalar_t>
 void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& key_len,
-            const MaskView& mask, float scale, bool causal, Tensor& out) {
+            const MaskView& mask, float scale, bool causal, int64_t window, float softcap, Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t group = Hq / k.size(1);
   const int64_t Tk = k.size(2);
@@ -57,20 +58,24 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
       const int64_t i = task % Tq, h = (task / Tq) % Hq, b = task / (Tq * Hq);
       const int64_t hk = h / group;
       const int64_t len = key_len[b];
-      const int64_t last = causal ? len - Tq + i : len - 1;  // bottom-right aligned causal window
+      const int64_t slot = len - Tq + i;  // the query's own cache position (bottom-right aligned)
+      const int64_t last = causal ? slot : len - 1;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, slot - window + 1) : 0;  // sliding window
       const float* qf = as_float(q_base + b * qs0 + h * qs1 + i * qs2, D, qbuf);
       const scalar_t* kb = k_base + b * ks0 + hk * ks1;
       const scalar_t* vb = v_base + b * vs0 + hk * vs1;
       float max_score = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j <= last; ++j) {
-        float s = row_dot(qf, as_float(kb + j * ks2, D, kbuf), D) * scale + mask_bias(mask, b, h, i, j);
+      for (int64_t j = first; j <= last; ++j) {
+        float s = row_dot(qf, as_float(kb + j * ks2, D, kbuf), D) * scale;
+        if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;  // Gemma 2: capped before the mask
+        s += mask_bias(mask, b, h, i, j);
         scores[j] = s;
         max_score = std::max(max_score, s);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       if (max_score != -std::numeric_limits<float>::infinity()) {  // a fully masked query yields zeros
         float denom = 0.f;
-        for (int64_t j = 0; j <= last; ++j) {
+        for (int64_t j = first; j <= last; ++j) {
           const float p = std::exp(scores[j] - max_score);
           denom += p;
           if (p != 0.f) row_axpy(p, as_float(vb + j * vs2, D, vbuf), acc.data(), D);
@@ -87,9 +92,11 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
 // k_new, v_new: [B, Hkv, Tq, D], written at cache_pos[b] + t; cache_pos: int64 [B] (default 0);
 // mask: bool (true = attend) or additive, [B, Tk] or broadcastable to [B, Hq, Tq, Tk] with Tk = Tmax.
 // Row b attends to keys [0, cache_pos[b] + Tq) with new K/V, else to all Tmax keys. Returns [B, Tq, Hq, D].
+// window > 0: query i (at cache position len - Tq + i) sees only keys j > len - Tq + i - window (HF's sliding
+// window); softcap > 0: scores become tanh(s / softcap) * softcap before the mask is added.
 Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::optional<Tensor>& k_new,
                  const c10::optional<Tensor>& v_new, const c10::optional<Tensor>& cache_pos,
-                 const c10::optional<Tensor>& mask, double scale, bool causal) {
+                 const c10::optional<Tensor>& mask, double scale, bool causal, int64_t window, double softcap) {
   LG_CHECK_CPU(kOp, q);
   LG_CHECK_CPU(kOp, k_cache);
   LG_CHECK_CPU(kOp, v_cache);
@@ -102,6 +109,8 @@ Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::o
   LG_CHECK_LAST_CONTIGUOUS(kOp, k_cache);
   LG_CHECK_LAST_CONTIGUOUS(kOp, v_cache);
   TORCH_CHECK(k_new.has_value() == v_new.has_value(), kOp, ": 'k_new' and 'v_new' must be given together");
+  TORCH_CHECK(window >= 0 && softcap >= 0, kOp, ": 'window' and 'softcap' must be >= 0 (0: none), got ", window, ", ",
+              softcap);
 
   std::vector<int64_t> pos(B, 0);
   if (cache_pos) {
@@ -143,7 +152,8 @@ Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::o
       write_new_kv<scalar_t>(*k_new, k_cache, pos);
       write_new_kv<scalar_t>(*v_new, v_cache, pos);
     }
-    attend<scalar_t>(q, k_cache, v_cache, key_len, view, static_cast<float>(scale), causal, out);
+    attend<scalar_t>(q, k_cache, v_cache, key_len, view, static_cast<float>(scale), causal, window,
+                     static_cast<float>(softcap), out);
   });
   return out;
 }

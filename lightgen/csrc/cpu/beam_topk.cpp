@@ -43,6 +43,36 @@ inline bool ranks_before(const Candidate& a, const Candidate& b) {
   return a.value > b.value || (a.value == b.value && a.index < b.index);
 }
 
+// torch.topk's order on the CPU (ATen's topk_impl_loop, TopKImpl.h): the whole row as (value, index)
+// pairs in index order, then std::partial_sort when k * 64 <= n, else std::nth_element and a sort of the
+// first k - 1, all with this comparison (NaN first). Among equal values that order depends on every
+// element of the row, not only on the top k, so it is reproduced on the whole row, not on survivors.
+using TopkElement = std::pair<float, int64_t>;
+
+inline bool topk_greater(const TopkElement& a, const TopkElement& b) {
+  return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
+}
+
+void torch_topk_order(std::vector<TopkElement>& row, int64_t k) {
+  const int64_t n = static_cast<int64_t>(row.size());
+  if (k * 64 <= n) {
+    std::partial_sort(row.begin(), row.begin() + k, row.end(), topk_greater);
+  } else {
+    std::nth_element(row.begin(), row.begin() + k - 1, row.end(), topk_greater);
+    std::sort(row.begin(), row.begin() + k - 1, topk_greater);
+  }
+}
+
+// Whether the sorted top k of `queue` (all candidates >= some threshold <= the k-th value) holds two
+// equal values or one equal to a candidate left out: only then can torch.topk's order differ from
+// (value, index) order.
+bool has_ties(const std::vector<Candidate>& queue, int64_t k) {
+  for (int64_t i = 1; i < k; ++i)
+    if (queue[i].value == queue[i - 1].value) return true;
+  const float kth = queue[k - 1].value;
+  return std::any_of(queue.begin() + k, queue.end(), [kth](const Candidate& c) { return c.value == kth; });
+}
+
 // Max of n floats; NaN anywhere gives NaN (at::vec::maximum propagates it). Four accumulators keep
 // the loop throughput-bound rather than waiting on one max chain.
 inline float chunk_max(const float* p, int64_t n) {
@@ -140,8 +170,9 @@ void check_inputs(const Tensor& scores, const c10::optional<Tensor>& beam_scores
 // scores: float32 [B * beams, V]; beam_scores: float32 [B * beams].
 // Returns values [B, k] (descending), flat indices beam * V + token [B, k], and survivors [B]:
 // how many candidates passed the rough threshold and were sorted.
+// stable: ties to the smaller index (torch.sort(stable=True), argmax); otherwise torch.topk's order.
 std::tuple<Tensor, Tensor, Tensor> beam_topk(const Tensor& scores_in, const c10::optional<Tensor>& beam_scores_in,
-                                             int64_t beams, int64_t k, bool log_softmax) {
+                                             int64_t beams, int64_t k, bool log_softmax, bool stable) {
   check_inputs(scores_in, beam_scores_in, beams, k);
   const Tensor scores = scores_in.contiguous();
   const int64_t rows = scores.size(0), V = scores.size(1), batch = rows / beams;
@@ -157,12 +188,12 @@ std::tuple<Tensor, Tensor, Tensor> beam_topk(const Tensor& scores_in, const c10:
 
   // Per row: its rough threshold and the candidates reaching it, collected while the row is hot.
   std::vector<float> thresholds(rows);
+  std::vector<RowMap> maps(rows);
   std::vector<std::vector<Candidate>> row_candidates(rows);
   at::parallel_for(0, rows, row_grain(V), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      RowMap map;
-      thresholds[r] = scan_row(x + r * V, V, k, log_softmax, beam[r], r, map);
-      collect_row(x + r * V, V, map, thresholds[r], (r % beams) * V, row_candidates[r]);
+      thresholds[r] = scan_row(x + r * V, V, k, log_softmax, beam[r], r, maps[r]);
+      collect_row(x + r * V, V, maps[r], thresholds[r], (r % beams) * V, row_candidates[r]);
     }
   });
 
@@ -176,6 +207,7 @@ std::tuple<Tensor, Tensor, Tensor> beam_topk(const Tensor& scores_in, const c10:
   for (const auto& c : row_candidates) collected += static_cast<int64_t>(c.size());
   at::parallel_for(0, batch, row_grain(collected / std::max<int64_t>(batch, 1)), [&](int64_t begin, int64_t end) {
     std::vector<Candidate> queue;
+    std::vector<TopkElement> item;
     for (int64_t b = begin; b < end; ++b) {
       // Each beam's k candidates above its own rough threshold are in the union, so the largest of
       // the beams' thresholds still leaves at least k candidates: the item's exact top k.
@@ -187,11 +219,26 @@ std::tuple<Tensor, Tensor, Tensor> beam_topk(const Tensor& scores_in, const c10:
                      [threshold](const Candidate& c) { return c.value >= threshold; });
       TORCH_INTERNAL_ASSERT(static_cast<int64_t>(queue.size()) >= k, kOp, ": fewer than k candidates passed");
       std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), ranks_before);
+      survivors_p[b] = static_cast<int64_t>(queue.size());
+      if (!stable && has_ties(queue, k)) {
+        // Exact ties (forced tokens, identical beams): torch.topk's order, over the item's whole row.
+        item.resize(beams * V);
+        for (int64_t r = first; r < first + beams; ++r)
+          for (int64_t t = 0; t < V; ++t) {
+            const int64_t j = (r - first) * V + t;
+            item[j] = {maps[r](x[r * V + t]), j};
+          }
+        torch_topk_order(item, k);
+        for (int64_t i = 0; i < k; ++i) {
+          values_p[b * k + i] = item[i].first;
+          indices_p[b * k + i] = item[i].second;
+        }
+        continue;
+      }
       for (int64_t i = 0; i < k; ++i) {
         values_p[b * k + i] = queue[i].value;
         indices_p[b * k + i] = queue[i].index;
       }
-      survivors_p[b] = static_cast<int64_t>(queue.size());
     }
   });
   return {values, indices, survivors};

@@ -44,7 +44,14 @@ struct Lanes {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
+  // 16 bytes of two 4-bit values each: low nibbles -> *lo, high nibbles -> *hi.
+  static void load_nibbles(const uint8_t* p, V* lo, V* hi) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V broadcast(float v) { return _mm512_set1_ps(v); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
@@ -67,7 +74,13 @@ struct Lanes {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
+  static void load_nibbles(const uint8_t* p, V* lo, V* hi) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V broadcast(float v) { return _mm256_set1_ps(v); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static void sum4(const V* v, float* out) { store_sum4(v, out); }
@@ -85,7 +98,12 @@ struct Lanes {
   static V zero() { return 0.f; }
   template <typename W>
   static V load(const W* p) { return widen(*p); }
+  static void load_nibbles(const uint8_t* p, V* lo, V* hi) {
+    *lo = static_cast<float>(*p & 15);
+    *hi = static_cast<float>(*p >> 4);
+  }
   static V fma(V a, V b, V c) { return a * b + c; }
+  static V mul(V a, V b) { return a * b; }
   static V broadcast(float v) { return v; }
   static void store(float* p, V v) { *p = v; }
   static float sum(V v) { return v; }
@@ -199,10 +217,10 @@ inline void panel_tile(const float* x, int64_t ld_x, const W* w, int64_t ld_w, i
 }
 
 // One panel (kPanel columns starting at y) for all m rows; ``cols`` < kPanel for a packed tail panel,
-// whose padding columns go to a scratch row instead of y.
-template <typename W>
-void panel_columns(const float* x, int64_t m, int64_t k_len, const W* w, int64_t ld_w, int64_t cols, float* y,
-                   int64_t ld_y) {
+// whose padding columns go to a scratch row instead of y. ``tile(rows_constant, x_rows, out, ld_out)``
+// computes up to kPanelRows rows of the panel.
+template <typename Tile>
+void panel_rows(const float* x, int64_t m, int64_t k_len, int64_t cols, float* y, int64_t ld_y, const Tile& tile) {
   float scratch[kPanelRows * kPanel];
   for (int64_t i = 0; i < m; i += kPanelRows) {
     const int64_t rows = std::min(kPanelRows, m - i);
@@ -211,17 +229,25 @@ void panel_columns(const float* x, int64_t m, int64_t k_len, const W* w, int64_t
     const float* xi = x + i * k_len;
     if constexpr (kPanelRows == 4) {
       switch (rows) {
-        case 4: panel_tile<4>(xi, k_len, w, ld_w, k_len, out, ld_out); break;
-        case 3: panel_tile<3>(xi, k_len, w, ld_w, k_len, out, ld_out); break;
-        case 2: panel_tile<2>(xi, k_len, w, ld_w, k_len, out, ld_out); break;
-        default: panel_tile<1>(xi, k_len, w, ld_w, k_len, out, ld_out); break;
+        case 4: tile(std::integral_constant<int64_t, 4>{}, xi, out, ld_out); break;
+        case 3: tile(std::integral_constant<int64_t, 3>{}, xi, out, ld_out); break;
+        case 2: tile(std::integral_constant<int64_t, 2>{}, xi, out, ld_out); break;
+        default: tile(std::integral_constant<int64_t, 1>{}, xi, out, ld_out); break;
       }
     } else {
-      panel_tile<1>(xi, k_len, w, ld_w, k_len, out, ld_out);
+      tile(std::integral_constant<int64_t, 1>{}, xi, out, ld_out);
     }
     if (out == scratch)
       for (int64_t r = 0; r < rows; ++r) std::copy(scratch + r * kPanel, scratch + r * kPanel + cols, y + (i + r) * ld_y);
   }
+}
+
+template <typename W>
+void panel_columns(const float* x, int64_t m, int64_t k_len, const W* w, int64_t ld_w, int64_t cols, float* y,
+                   int64_t ld_y) {
+  panel_rows(x, m, k_len, cols, y, ld_y, [&](auto rows, const float* xi, float* out, int64_t ld_out) {
+    panel_tile<decltype(rows)::value>(xi, k_len, w, ld_w, k_len, out, ld_out);
+  });
 }
 
 inline int64_t panel_grain(int64_t k_len, int64_t weight_bytes) {
@@ -256,6 +282,77 @@ void linear_rows_packed(const float* x, int64_t m, int64_t k_len, const W* w, in
       panel_columns(x, m, k_len, w + panel * k_len * kPanel, kPanel, std::min(kPanel, n - col), y + col, n);
     }
     run_epilogue(act, y, m, n, begin * kPanel, std::min(n, end * kPanel), scale, bias);
+  });
+}
+
+// Group-wise quantized panels (the Q8_0 / Q4_0 / Q4_1 idea in the panel layout): every group_size
+// consecutive k of a column share one float scale, so an outlier only coarsens its own group.
+// Weights are widened and scaled in registers once per k row, for all rows of the tile:
+//   int8:          w = q * scale[g]                      (q int8, symmetric)
+//   int4 (nibbles): w = u * scale[g] + offset[g]          (u in 0..15; no offset: symmetric, offset = -8 scale)
+// int4 stores k = 2p in the low and k = 2p + 1 in the high nibble of byte row p; group_size is even.
+template <int64_t rows, bool nibbles>
+inline void grouped_tile(const float* x, int64_t ld_x, const void* w_in, int64_t k_len, int64_t group_size,
+                         const float* scale, const float* offset, float* y, int64_t ld_y) {
+  V acc[rows][kPanelVecs];
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t v = 0; v < kPanelVecs; ++v) acc[i][v] = Lanes::zero();
+  for (int64_t k0 = 0, g = 0; k0 < k_len; k0 += group_size, ++g) {
+    const int64_t k1 = std::min(k_len, k0 + group_size);
+    V d[kPanelVecs], o[kPanelVecs];
+    for (int64_t v = 0; v < kPanelVecs; ++v) {
+      d[v] = Lanes::load(scale + g * kPanel + v * Lanes::size);
+      if constexpr (nibbles)
+        o[v] = offset ? Lanes::load(offset + g * kPanel + v * Lanes::size) : Lanes::mul(d[v], Lanes::broadcast(-8.f));
+    }
+    if constexpr (!nibbles) {
+      const int8_t* w = static_cast<const int8_t*>(w_in);
+      for (int64_t k = k0; k < k1; ++k) {
+        V wv[kPanelVecs];
+        for (int64_t v = 0; v < kPanelVecs; ++v) wv[v] = Lanes::mul(Lanes::load(w + k * kPanel + v * Lanes::size), d[v]);
+        for (int64_t i = 0; i < rows; ++i) {
+          V xv = Lanes::broadcast(x[i * ld_x + k]);
+          for (int64_t v = 0; v < kPanelVecs; ++v) acc[i][v] = Lanes::fma(xv, wv[v], acc[i][v]);
+        }
+      }
+    } else {
+      const uint8_t* w = static_cast<const uint8_t*>(w_in);
+      for (int64_t k = k0; k < k1; k += 2) {
+        const bool pair = k + 1 < k1;  // false only for an odd k_len's last k (its high nibble is padding)
+        for (int64_t v = 0; v < kPanelVecs; ++v) {
+          V lo, hi;
+          Lanes::load_nibbles(w + (k / 2) * kPanel + v * Lanes::size, &lo, &hi);
+          lo = Lanes::fma(lo, d[v], o[v]);
+          hi = Lanes::fma(hi, d[v], o[v]);
+          for (int64_t i = 0; i < rows; ++i) {
+            acc[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k]), lo, acc[i][v]);
+            if (pair) acc[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k + 1]), hi, acc[i][v]);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t v = 0; v < kPanelVecs; ++v) Lanes::store(y + i * ld_y + v * Lanes::size, acc[i][v]);
+}
+
+// Group-wise panels: weight [P, K (int8) or ceil(K / 2) (int4), kPanel], scale / offset [P, G, kPanel].
+template <bool nibbles>
+void linear_rows_grouped(const float* x, int64_t m, int64_t k_len, const void* w, int64_t n, int64_t group_size,
+                         const float* scale, const float* offset, const float* bias, Act act, float* y) {
+  const int64_t panel_k = nibbles ? (k_len + 1) / 2 : k_len, groups = (k_len + group_size - 1) / group_size;
+  at::parallel_for(0, (n + kPanel - 1) / kPanel, panel_grain(panel_k, 1), [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t col = panel * kPanel;
+      const void* wp = static_cast<const int8_t*>(w) + panel * panel_k * kPanel;
+      const float* sp = scale + panel * groups * kPanel;
+      const float* op = offset ? offset + panel * groups * kPanel : nullptr;
+      panel_rows(x, m, k_len, std::min(kPanel, n - col), y + col, n,
+                 [&](auto rows, const float* xi, float* out, int64_t ld_out) {
+                   grouped_tile<decltype(rows)::value, nibbles>(xi, k_len, wp, k_len, group_size, sp, op, out, ld_out);
+                 });
+    }
+    run_epilogue(act, y, m, n, begin * kPanel, std::min(n, end * kPanel), nullptr, bias);
   });
 }
 
@@ -353,7 +450,32 @@ Tensor linear(const Tensor& x_in, const Tensor& weight_in, const c10::optional<T
   return y;
 }
 
+// x: [..., K] float32. weight: group-wise quantized panels, int8 [P, K, 64] or int4 as uint8 [P, ceil(K / 2), 64]
+// (two k per byte), P = ceil(out_features / 64). scale: float32 [P, G, 64], G = ceil(K / group_size).
+// offset: float32 [P, G, 64] (int4 with zero points) or None. bias: [out_features] float32.
+Tensor linear_grouped(const Tensor& x_in, const Tensor& weight, const Tensor& scale,
+                      const c10::optional<Tensor>& offset, const c10::optional<Tensor>& bias,
+                      c10::string_view act_name, int64_t out_features, int64_t group_size) {
+  constexpr const char* op = "lightgen.linear_grouped";
+  const Act act = parse_act(op, act_name);
+  LG_CHECK_CPU(op, x_in);
+  const GroupedLinear g = check_grouped_linear(op, x_in, weight, scale, offset, bias, out_features, group_size, kPanel);
+  auto out_sizes = g.x.sizes().vec();
+  out_sizes.back() = out_features;
+  Tensor y = at::empty(out_sizes, g.x.options());
+  const int64_t m = c10::multiply_integers(g.x.sizes().slice(0, g.x.dim() - 1));
+  if (m == 0) return y;
+  auto run = g.nibbles ? &linear_rows_grouped<true> : &linear_rows_grouped<false>;
+  run(g.x.data_ptr<float>(), m, g.k_len, g.weight.data_ptr(), out_features, group_size, g.scale.data_ptr<float>(),
+      g.offset.defined() ? g.offset.data_ptr<float>() : nullptr, g.bias.defined() ? g.bias.data_ptr<float>() : nullptr,
+      act, y.data_ptr<float>());
+  return y;
+}
+
 }  // namespace
 }  // namespace lightgen
 
-TORCH_LIBRARY_IMPL(lightgen, CPU, m) { m.impl("linear", &lightgen::linear); }
+TORCH_LIBRARY_IMPL(lightgen, CPU, m) {
+  m.impl("linear", &lightgen::linear);
+  m.impl("linear_grouped", &lightgen::linear_grouped);
+}

@@ -51,13 +51,15 @@ __global__ void __launch_bounds__(kWarps * 32)
     attention_kernel(const scalar_t* __restrict__ q, Strides3 qs, const scalar_t* __restrict__ k, Strides3 ks,
                      const scalar_t* __restrict__ v, Strides3 vs, const int64_t* __restrict__ cache_pos, bool has_new,
                      int64_t max_len, int64_t group, int64_t dim, MaskView mask, float scale, bool causal,
-                     scalar_t* __restrict__ out) {
+                     int64_t window, float softcap, scalar_t* __restrict__ out) {
   __shared__ float part_max[kWarps], part_sum[kWarps], part_acc[kWarps][32 * kChunks];
   const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int64_t q_len = gridDim.x, q_heads = gridDim.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t len = has_new ? (cache_pos ? cache_pos[b] : 0) + q_len : max_len;
-  const int64_t last = causal ? len - q_len + i : len - 1;  // bottom-right aligned causal window
+  const int64_t slot = len - q_len + i;  // the query's own cache position (bottom-right aligned)
+  const int64_t last = causal ? slot : len - 1;
+  const int64_t first = window > 0 ? (slot - window + 1 > 0 ? slot - window + 1 : 0) : 0;  // sliding window
   const scalar_t* qr = q + b * qs.b + h * qs.h + i * qs.t;
   const scalar_t* kb = k + b * ks.b + (h / group) * ks.h;
   const scalar_t* vb = v + b * vs.b + (h / group) * vs.h;
@@ -72,7 +74,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   float run_max = kNegInf, run_sum = 0.f;
-  for (int64_t j = warp; j <= last; j += kWarps) {
+  for (int64_t j = first + warp; j <= last; j += kWarps) {
     const scalar_t* kr = kb + j * ks.t;
     float dot = 0.f;
 #pragma unroll
@@ -82,6 +84,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     // The xor butterfly leaves the same sum in every lane, so the branches below are warp-uniform.
     float s = warp_reduce(dot, Sum{}) * scale;
+    if (softcap > 0.f) s = tanhf(s / softcap) * softcap;  // Gemma 2: capped before the mask
     if (mask.keep) s = mask.keep[mask_row + j] ? s : kNegInf;
     if (mask.add) s += mask.add[mask_row + j];
     if (s == kNegInf) continue;  // masked: weight 0, and its (maybe unwritten) value is never read
@@ -133,9 +136,10 @@ void dispatch_chunks(int64_t dim, F&& f) {
 // k_new, v_new: [B, Hkv, Tq, D], written at cache_pos[b] + t; cache_pos: int64 [B] (default 0);
 // mask: bool (true = attend) or additive, [B, Tk] or broadcastable to [B, Hq, Tq, Tk] with Tk = Tmax.
 // Row b attends to keys [0, cache_pos[b] + Tq) with new K/V, else to all Tmax keys. Returns [B, Tq, Hq, D].
+// window > 0 and softcap > 0: as the CPU op (sliding window over cache positions; tanh capping before the mask).
 Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::optional<Tensor>& k_new,
                  const c10::optional<Tensor>& v_new, const c10::optional<Tensor>& cache_pos,
-                 const c10::optional<Tensor>& mask, double scale, bool causal) {
+                 const c10::optional<Tensor>& mask, double scale, bool causal, int64_t window, double softcap) {
   LG_CHECK_CUDA(kOp, q);
   LG_CHECK_FLOAT(kOp, q);
   LG_CHECK_CUDA_LIKE(kOp, q, k_cache);
@@ -147,6 +151,8 @@ Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::o
   LG_CHECK_LAST_CONTIGUOUS(kOp, k_cache);
   LG_CHECK_LAST_CONTIGUOUS(kOp, v_cache);
   TORCH_CHECK(k_new.has_value() == v_new.has_value(), kOp, ": 'k_new' and 'v_new' must be given together");
+  TORCH_CHECK(window >= 0 && softcap >= 0, kOp, ": 'window' and 'softcap' must be >= 0 (0: none), got ", window, ", ",
+              softcap);
   TORCH_CHECK(!cache_pos || k_new, kOp, ": 'cache_pos' only applies when new keys are written ('k_new')");
   const c10::cuda::CUDAGuard guard(q.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
@@ -210,7 +216,7 @@ Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::o
       attention_kernel<scalar_t, LG_CONST(chunks_c)><<<dim3(Tq, Hq, B), kWarps * 32, 0, stream>>>(
           q.data_ptr<scalar_t>(), strides3(q), k_cache.data_ptr<scalar_t>(), strides3(k_cache),
           v_cache.data_ptr<scalar_t>(), strides3(v_cache), pos_p, k_new.has_value(), Tmax, Hq / Hkv, D, mask_args,
-          static_cast<float>(scale), causal, out.data_ptr<scalar_t>());
+          static_cast<float>(scale), causal, window, static_cast<float>(softcap), out.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

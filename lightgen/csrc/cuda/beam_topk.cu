@@ -168,7 +168,7 @@ __global__ void candidates_kernel(const float* __restrict__ scores, const float*
 // Returns values [B, k] (descending), flat indices beam * V + token [B, k], and survivors [B]:
 // how many candidates passed the rough threshold and were sorted.
 std::tuple<Tensor, Tensor, Tensor> beam_topk(const Tensor& scores_in, const c10::optional<Tensor>& beam_scores_in,
-                                             int64_t beams, int64_t k, bool log_softmax) {
+                                             int64_t beams, int64_t k, bool log_softmax, bool stable) {
   {
     const Tensor& scores = scores_in;
     LG_CHECK_CUDA(kOp, scores);
@@ -218,14 +218,22 @@ std::tuple<Tensor, Tensor, Tensor> beam_topk(const Tensor& scores_in, const c10:
   TORCH_CHECK(f[0] == INT_MAX, kOp, ": 'scores' row ", f[0], " contains NaN or +inf; mask tokens with -inf instead");
   TORCH_CHECK(f[1] == INT_MAX, kOp, ": 'beam_scores' row ", f[1],
               " is NaN or +inf; finished beams take -inf or a large negative score");
-  if (f[2]) {
+  // torch.topk's order among ties is its own (not index order): without `stable`, torch.topk on the
+  // candidates picks and orders them (the select kernel above still counts survivors).
+  if (f[2] || !stable) {
     Tensor all = at::empty({batch, beams * vocab}, options);
     candidates_kernel<<<rows, kStatsThreads, 0, stream>>>(scores.data_ptr<float>(), beam_p, stats, vocab,
                                                            all.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    auto [sorted_values, sorted_indices] = at::sort(all, /*stable=*/true, /*dim=*/1, /*descending=*/true);
-    values.copy_(sorted_values.narrow(1, 0, k));
-    indices.copy_(sorted_indices.narrow(1, 0, k));
+    if (stable) {
+      auto [sorted_values, sorted_indices] = at::sort(all, /*stable=*/true, /*dim=*/1, /*descending=*/true);
+      values.copy_(sorted_values.narrow(1, 0, k));
+      indices.copy_(sorted_indices.narrow(1, 0, k));
+    } else {
+      auto [top_values, top_indices] = at::topk(all, k, /*dim=*/1);
+      values.copy_(top_values);
+      indices.copy_(top_indices);
+    }
   }
   return {values, indices, survivors};
 }

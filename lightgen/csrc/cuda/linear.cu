@@ -41,23 +41,52 @@ struct Epilogue {
   }
 };
 
-// Panel p covers output columns [64 p, 64 p + 64): weight + p * panel_stride, k-th row at k * ld_w.
-template <typename W, Act act>
+// What panel_kernel reads: weights(p, col, k) = the float weight of output column 64 p + col at input k.
+template <typename W>
+struct PanelWeights {  // packed [P, K, 64] (panel_stride K * 64, ld_w 64) or Conv1D's [K, N] (64, row stride)
+  const W* w;
+  int64_t panel_stride, ld_w;
+  __device__ __forceinline__ float operator()(int64_t p, int col, int64_t k) const {
+    return widen(w[p * panel_stride + col + k * ld_w]);
+  }
+};
+
+// Group-wise quantized panels (the CPU op's format): int8 [P, K, 64] w = q * scale, or int4 as uint8
+// [P, ceil(K / 2), 64] (k = 2j low nibble, 2j + 1 high) w = u * scale + offset (none: -8 * scale).
+template <bool nibbles>
+struct GroupedWeights {
+  const void* w;
+  const float* scale;  // [P, G, 64]
+  const float* offset;  // [P, G, 64] or nullptr
+  int64_t panel_k, groups, group_size;
+  __device__ __forceinline__ float operator()(int64_t p, int col, int64_t k) const {
+    const int64_t g = (p * groups + k / group_size) * kPanel + col;
+    const float d = scale[g];
+    if constexpr (!nibbles) {
+      return static_cast<float>(static_cast<const int8_t*>(w)[(p * panel_k + k) * kPanel + col]) * d;
+    } else {
+      const uint8_t b = static_cast<const uint8_t*>(w)[(p * panel_k + k / 2) * kPanel + col];
+      return static_cast<float>((k & 1) ? (b >> 4) : (b & 15)) * d + (offset ? offset[g] : -8.f * d);
+    }
+  }
+};
+
+// Panel p covers output columns [64 p, 64 p + 64), read through ``weights``.
+template <typename Weights, Act act>
 __global__ void __launch_bounds__(kSlices * kPanel)
-    panel_kernel(const float* __restrict__ x, int64_t m, int64_t k_len, const W* __restrict__ w, int64_t panel_stride,
-                 int64_t ld_w, int64_t n, Epilogue epi, float* __restrict__ y) {
+    panel_kernel(const float* __restrict__ x, int64_t m, int64_t k_len, Weights weights, int64_t n, Epilogue epi,
+                 float* __restrict__ y) {
   __shared__ float partial[kSlices][kTileRows][kPanel];
   const int col = threadIdx.x % kPanel, slice = threadIdx.x / kPanel;
   const int64_t out_col = blockIdx.x * kPanel + col;
   const bool live = out_col < n;  // Conv1D's last panel may end inside the tile; packed ones are padded
-  const W* wp = w + blockIdx.x * panel_stride + col;
   for (int64_t row0 = blockIdx.y * kTileRows; row0 < m; row0 += static_cast<int64_t>(gridDim.y) * kTileRows) {
     const int rows = m - row0 < kTileRows ? static_cast<int>(m - row0) : kTileRows;
     const float* xr = x + row0 * k_len;
     float acc[kTileRows] = {};
     if (live) {
       for (int64_t k = slice; k < k_len; k += kSlices) {
-        const float wv = widen(wp[k * ld_w]);
+        const float wv = weights(blockIdx.x, col, k);
 #pragma unroll
         for (int r = 0; r < kTileRows; ++r)
           if (r < rows) acc[r] += xr[r * k_len + k] * wv;
@@ -76,6 +105,17 @@ __global__ void __launch_bounds__(kSlices * kPanel)
     }
     __syncthreads();  // partial is rewritten by the next row tile
   }
+}
+
+template <typename Weights>
+void launch_panels(Act act, const float* x, int64_t m, int64_t k_len, Weights weights, int64_t n, Epilogue epi,
+                   float* y) {
+  const unsigned grid_y = static_cast<unsigned>(std::min<int64_t>(ceil_div(m, kTileRows), kMaxGridY));
+  dispatch_act(act, [&](auto act_c) {
+    panel_kernel<Weights, LG_CONST(act_c)><<<dim3(ceil_div(n, kPanel), grid_y), kSlices * kPanel, 0,
+                                             c10::cuda::getCurrentCUDAStream()>>>(x, m, k_len, weights, n, epi, y);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 // W [N, K] row-major: warp `warp` of block b computes column b * kRowsWarps + warp.
@@ -117,21 +157,16 @@ enum class Layout { kRows, kKMajor, kPacked };  // [N, K] rows, Conv1D's [K, N],
 template <typename W>
 void launch_gemv(Layout layout, Act act, const float* x, int64_t m, int64_t k_len, const Tensor& weight, int64_t n,
                  Epilogue epi, float* y) {
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  const unsigned grid_y = static_cast<unsigned>(std::min<int64_t>(ceil_div(m, kTileRows), kMaxGridY));
   const W* w = weight.data_ptr<W>();
+  if (layout != Layout::kRows) {
+    const bool packed = layout == Layout::kPacked;
+    return launch_panels(act, x, m, k_len, PanelWeights<W>{w, packed ? k_len * kPanel : kPanel,
+                                                             packed ? kPanel : weight.stride(1)}, n, epi, y);
+  }
+  const unsigned grid_y = static_cast<unsigned>(std::min<int64_t>(ceil_div(m, kTileRows), kMaxGridY));
   dispatch_act(act, [&](auto act_c) {
-    constexpr Act A = LG_CONST(act_c);
-    if (layout == Layout::kRows) {
-      rows_kernel<W, A><<<dim3(ceil_div(n, kRowsWarps), grid_y), kRowsWarps * 32, 0, stream>>>(x, m, k_len, w, n,
-                                                                                               epi, y);
-    } else {
-      const bool packed = layout == Layout::kPacked;
-      const int64_t panel_stride = packed ? k_len * kPanel : kPanel;
-      const int64_t ld_w = packed ? kPanel : weight.stride(1);
-      panel_kernel<W, A><<<dim3(ceil_div(n, kPanel), grid_y), kSlices * kPanel, 0, stream>>>(
-          x, m, k_len, w, panel_stride, ld_w, n, epi, y);
-    }
+    rows_kernel<W, LG_CONST(act_c)><<<dim3(ceil_div(n, kRowsWarps), grid_y), kRowsWarps * 32, 0,
+                                      c10::cuda::getCurrentCUDAStream()>>>(x, m, k_len, w, n, epi, y);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -214,7 +249,39 @@ Tensor linear(const Tensor& x_in, const Tensor& weight_in, const c10::optional<T
   return y;
 }
 
+// x: [..., K] float32; weight / scale / offset: group-wise quantized panels as in the CPU op
+// (lightgen/csrc/cpu/linear.cpp, linear_grouped); bias: [out_features] float32.
+Tensor linear_grouped(const Tensor& x_in, const Tensor& weight, const Tensor& scale,
+                      const c10::optional<Tensor>& offset, const c10::optional<Tensor>& bias,
+                      c10::string_view act_name, int64_t out_features, int64_t group_size) {
+  constexpr const char* op = "lightgen.linear_grouped";
+  const Act act = parse_act(op, act_name);
+  LG_CHECK_CUDA(op, x_in);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const GroupedLinear g = check_grouped_linear(op, x_in, weight, scale, offset, bias, out_features, group_size, kPanel);
+  auto out_sizes = g.x.sizes().vec();
+  out_sizes.back() = out_features;
+  Tensor y = at::empty(out_sizes, g.x.options());
+  const int64_t m = c10::multiply_integers(g.x.sizes().slice(0, g.x.dim() - 1));
+  if (m == 0) return y;
+  const float* offsets = g.offset.defined() ? g.offset.data_ptr<float>() : nullptr;
+  const Epilogue epi{nullptr, g.bias.defined() ? g.bias.data_ptr<float>() : nullptr};
+  if (g.nibbles) {
+    launch_panels(act, g.x.data_ptr<float>(), m, g.k_len,
+                  GroupedWeights<true>{g.weight.data_ptr(), g.scale.data_ptr<float>(), offsets, g.panel_k, g.groups,
+                                       group_size}, out_features, epi, y.data_ptr<float>());
+  } else {
+    launch_panels(act, g.x.data_ptr<float>(), m, g.k_len,
+                  GroupedWeights<false>{g.weight.data_ptr(), g.scale.data_ptr<float>(), offsets, g.panel_k, g.groups,
+                                        group_size}, out_features, epi, y.data_ptr<float>());
+  }
+  return y;
+}
+
 }  // namespace
 }  // namespace lightgen
 
-TORCH_LIBRARY_IMPL(lightgen, CUDA, m) { m.impl("linear", &lightgen::linear); }
+TORCH_LIBRARY_IMPL(lightgen, CUDA, m) {
+  m.impl("linear", &lightgen::linear);
+  m.impl("linear_grouped", &lightgen::linear_grouped);
+}

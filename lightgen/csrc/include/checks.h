@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/string_view.h>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #define LG_CHECK_CPU(op, t) \
   TORCH_CHECK((t).device().is_cpu(), op, ": '" #t "' must be on the CPU, got ", (t).device())
@@ -22,6 +24,51 @@
 namespace lightgen {
 
 enum class Act { kGelu, kGeluTanh, kRelu, kSilu, kNone };
+
+// lightgen.linear_grouped's arguments, for every backend: shapes, dtypes and devices checked, operands
+// contiguous. weight: int8 [P, K, panel] or int4 as uint8 [P, ceil(K / 2), panel]; scale / offset [P, G, panel].
+struct GroupedLinear {
+  bool nibbles;
+  int64_t k_len, panel_k, groups;
+  at::Tensor x, weight, scale, offset, bias;  // offset / bias undefined when not given
+};
+
+inline GroupedLinear check_grouped_linear(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                                          const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
+                                          const c10::optional<at::Tensor>& bias, int64_t out_features,
+                                          int64_t group_size, int64_t panel) {
+  TORCH_CHECK(weight.device() == x.device(), op, ": 'weight' must be on ", x.device(), ", got ", weight.device());
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": 'x' must be float32, got ", x.scalar_type());
+  const auto wtype = weight.scalar_type();
+  TORCH_CHECK(wtype == at::kChar || wtype == at::kByte, op,
+              ": 'weight' must be int8 or uint8 (two int4 values a byte), got ", wtype);
+  const bool nibbles = wtype == at::kByte;
+  TORCH_CHECK(x.dim() >= 1, op, ": 'x' must have an in_features dimension");
+  const int64_t k_len = x.size(-1), panel_k = nibbles ? (k_len + 1) / 2 : k_len;
+  TORCH_CHECK(weight.dim() == 3 && weight.size(1) == panel_k && weight.size(2) == panel, op,
+              ": 'weight' must be packed [panels, ", panel_k, ", ", panel, "] for in_features=", k_len, ", got ",
+              weight.sizes());
+  TORCH_CHECK(out_features > (weight.size(0) - 1) * panel && out_features <= weight.size(0) * panel, op,
+              ": packed weights need out_features in (", (weight.size(0) - 1) * panel, ", ",
+              weight.size(0) * panel, "], got ", out_features);
+  TORCH_CHECK(group_size >= 1 && (!nibbles || group_size % 2 == 0), op, ": group_size must be ",
+              nibbles ? "even and " : "", "positive, got ", group_size);
+  TORCH_CHECK(!offset.has_value() || nibbles, op, ": 'offset' (zero points) is for int4 weights only");
+  const int64_t groups = (k_len + group_size - 1) / group_size;
+  GroupedLinear out{nibbles, k_len, panel_k, groups, x.contiguous(), weight.contiguous(), {}, {}, {}};
+  const std::vector<int64_t> per_group{weight.size(0), groups, panel}, per_column{out_features};
+  for (auto [given, kept, name, shape] : {std::tuple{&scale, &out.scale, "scale", &per_group},
+                                          std::tuple{offset ? &*offset : nullptr, &out.offset, "offset", &per_group},
+                                          std::tuple{bias ? &*bias : nullptr, &out.bias, "bias", &per_column}}) {
+    if (given == nullptr) continue;
+    TORCH_CHECK(given->device() == x.device() && given->scalar_type() == at::kFloat &&
+                    given->sizes() == at::IntArrayRef(*shape),
+                op, ": '", name, "' must be a float32 tensor of shape ", at::IntArrayRef(*shape), " on ", x.device(),
+                ", got ", given->scalar_type(), " ", given->sizes(), " on ", given->device());
+    *kept = given->contiguous();
+  }
+  return out;
+}
 
 inline Act parse_act(const char* op, c10::string_view name) {
   if (name == "gelu") return Act::kGelu;

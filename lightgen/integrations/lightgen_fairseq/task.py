@@ -16,7 +16,8 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 import lightgen
 from lightgen import ops
-from lightgen.adapters.fairseq import aggressive_generator, allow_fairseq_checkpoints, check_supported
+from lightgen.adapters.fairseq import allow_fairseq_checkpoints, check_supported
+from lightgen.generation.fairseq_greedy import aggressive_generator
 
 # fairseq-generate / -interactive load checkpoints after importing --user-dir.
 allow_fairseq_checkpoints()

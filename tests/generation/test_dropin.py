@@ -1,0 +1,270 @@
+"""What chat and serving code passes to generate() runs on lightgen's engine and gives HF's results:
+streamers, caches out and in, decoder masks, use_cache / cache_implementation, prompt lookup."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from models import build, padded_batch
+from transformers.generation.streamers import BaseStreamer
+
+import lightgen
+
+FAMILIES = ("bart", "gpt2", "llama", "qwen2")
+
+
+@pytest.fixture(autouse=True)
+def no_fallback():
+    """Every call here must run on lightgen's engine: a fallback warning fails the test."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="lightgen generate", category=RuntimeWarning)
+        yield
+
+
+def _pair(family, seed):
+    model = build(family, seed=seed)
+    return lightgen.accelerate_model(copy.deepcopy(model)), model
+
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.calls = []
+
+    def put(self, value):
+        self.calls.append(("put", value.dtype, value.tolist()))
+
+    def end(self):
+        self.calls.append(("end",))
+
+
+def returned_cache(output):
+    """The output's cache: ``cache`` from transformers 5.24, ``past_key_values`` before."""
+    return getattr(output, "cache" if "cache" in type(output).__dataclass_fields__ else "past_key_values")
+
+
+def _self_attention(cache):
+    return getattr(cache, "self_attention_cache", cache)
+
+
+def assert_same_cache(got, expected):
+    assert type(got) is type(expected)
+    mine, theirs = _self_attention(got), _self_attention(expected)
+    assert int(mine.get_seq_length()) == int(theirs.get_seq_length())
+    parts = [(mine, theirs)]
+    if hasattr(expected, "cross_attention_cache"):
+        parts.append((got.cross_attention_cache, expected.cross_attention_cache))
+        assert got.is_updated == expected.is_updated
+    for mine, theirs in parts:
+        assert len(mine.layers) == len(theirs.layers)
+        for a, b in zip(mine.layers, theirs.layers, strict=True):
+            assert type(a) is type(b)
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+
+
+def _eos_after(reference, ids, mask, new_tokens):
+    out = reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False)
+    return int(out[0, -1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("settings", [dict(do_sample=False), dict(do_sample=True, top_k=10)], ids=["greedy", "sample"])
+def test_streamer_gets_hf_calls(family, settings, step_counter):
+    accelerated, reference = _pair(family, 1)
+    ids, mask = padded_batch(family, 3, 7, seed=1)
+    eos = _eos_after(reference, ids, mask, 3)  # some rows end early: padding is streamed too
+    calls = []
+    for model in (reference, accelerated):
+        streamer = Recorder()
+        torch.manual_seed(4)
+        sequences = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, eos_token_id=eos,
+                                   streamer=streamer, **settings)
+        calls.append((sequences, streamer.calls))
+    (expected, expected_calls), (got, got_calls) = calls
+    assert step_counter
+    assert torch.equal(got, expected)
+    assert got_calls == expected_calls
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streaming_with_beams_is_refused_as_hf_refuses(family):
+    accelerated, reference = _pair(family, 1)
+    ids, mask = padded_batch(family, 1, 5)
+    messages = []
+    for model in (reference, accelerated):
+        with pytest.raises(ValueError) as refused:
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2, streamer=Recorder())
+        messages.append(str(refused.value))
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("decoding", ["iad", "prompt_lookup"])
+def test_aggressive_decoding_streams_each_pass(family, decoding):
+    """One put per decoder pass with the tokens it added (several at once, as HF's assisted decoding)."""
+    accelerated, reference = _pair(family, 2)
+    ids = padded_batch(family, 1, 12, seed=2)[0].repeat(1, 2)  # a repeated input: drafts get accepted
+    kwargs = dict(input_ids=ids, max_new_tokens=12, do_sample=False)
+    expected = reference.generate(**kwargs)
+    streamer = Recorder()
+    prompt = ids if family != "bart" else expected[:, :1]
+    # IAD drafts from the output itself here (random weights rarely copy their input), so passes accept drafts.
+    extra = (dict(decoding="iad", draft_ids=expected[:, prompt.shape[1]:].tolist()) if decoding == "iad"
+             else dict(prompt_lookup_num_tokens=4))
+    got = accelerated.generate(**kwargs, **extra, streamer=streamer, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, expected)
+    assert streamer.calls[0] == ("put", torch.int64, prompt.tolist())
+    assert streamer.calls[-1] == ("end",)
+    passes = streamer.calls[1:-1]
+    assert [len(chunk[0]) for _, _, chunk in passes] == got.tokens_per_iteration[0].tolist()
+    if decoding == "iad" and family in ("gpt2", "llama"):  # outputs whose suffixes anchor uniquely in the draft
+        assert max(len(chunk[0]) for _, _, chunk in passes) > 1
+    assert [token for _, _, chunk in passes for token in chunk[0]] == expected[0, prompt.shape[1]:].tolist()
+
+
+def test_aggressive_decoding_of_a_batch_with_a_streamer_runs_greedy_and_says_so():
+    accelerated, reference = _pair("gpt2", 2)
+    ids, mask = padded_batch("gpt2", 2, 6)
+    streamer, expected_streamer = Recorder(), Recorder()
+    with pytest.warns(RuntimeWarning, match="streams one row"):
+        got = accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, decoding="iad",
+                                   streamer=streamer)
+    expected = reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, streamer=expected_streamer)
+    assert torch.equal(got, expected) and streamer.calls == expected_streamer.calls
+
+
+CACHE_SETTINGS = [dict(), dict(do_sample=True, top_k=10), dict(num_beams=3), dict(num_beams=2, num_return_sequences=2),
+                  dict(cache_implementation="static"), dict(cache_implementation="dynamic"), dict(use_cache=False)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("settings", CACHE_SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "greedy")
+def test_returned_cache_is_hfs(family, settings, step_counter):
+    accelerated, reference = _pair(family, 3)
+    ids, mask = padded_batch(family, 3, 7, seed=3)
+    eos = _eos_after(reference, ids, mask, 2)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, eos_token_id=eos,
+                  return_dict_in_generate=True, **settings)
+    torch.manual_seed(5)
+    expected = reference.generate(**kwargs)
+    torch.manual_seed(5)
+    got = accelerated.generate(**kwargs)
+    assert step_counter
+    assert torch.equal(got.sequences, expected.sequences)
+    if settings.get("use_cache") is False:
+        assert returned_cache(got) is None and returned_cache(expected) is None
+    else:
+        assert_same_cache(returned_cache(got), returned_cache(expected))
+
+
+def test_no_cache_is_built_unless_returned(monkeypatch):
+    from transformers.cache_utils import DynamicLayer
+
+    accelerated, _ = _pair("llama", 3)
+    ids, mask = padded_batch("llama", 2, 6)
+    updates = []
+    original = DynamicLayer.update
+    monkeypatch.setattr(DynamicLayer, "update", lambda self, *a, **k: updates.append(1) or original(self, *a, **k))
+    accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4)
+    accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True,
+                         output_scores=True)
+    assert len(updates) == 2  # one per layer, for the call that returns its cache
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_iad_returns_hfs_greedy_cache(family):
+    accelerated, reference = _pair(family, 2)
+    ids = padded_batch(family, 1, 10, seed=2)[0].repeat(1, 2)
+    kwargs = dict(input_ids=ids, max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
+    expected, got = reference.generate(**kwargs), accelerated.generate(**kwargs, decoding="iad")
+    assert torch.equal(got.sequences, expected.sequences)
+    assert_same_cache(returned_cache(got), returned_cache(expected))
+
+
+def _second_turn(family, first_sequences, ids, mask, decoder_mask):
+    """The next turn's inputs: the first turn's output and two new tokens (a user's reply)."""
+    reply = torch.randint(3, 90, (first_sequences.shape[0], 2), generator=torch.Generator().manual_seed(9))
+    history = torch.cat([first_sequences, reply], 1)
+    if family == "bart":
+        extra = dict(decoder_attention_mask=torch.ones_like(history)) if decoder_mask else {}
+        return dict(input_ids=ids, attention_mask=mask, decoder_input_ids=history, **extra)
+    grown = torch.cat([mask, torch.ones(mask.shape[0], history.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+    return dict(input_ids=history, attention_mask=grown)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("first_turn_by", ["hf", "lightgen"])
+@pytest.mark.parametrize("settings", [dict(), dict(do_sample=True, top_k=10)], ids=["greedy", "sample"])
+def test_multi_turn_chat_continues_from_the_returned_cache(family, first_turn_by, settings, step_counter):
+    accelerated, reference = _pair(family, 4)
+    ids, mask = padded_batch(family, 2, 6, seed=4)
+    first = (reference if first_turn_by == "hf" else accelerated).generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True)
+    # BART: without a decoder mask HF feeds the whole decoder input again after the cache; with one, only the rest.
+    for decoder_mask in ([False, True] if family == "bart" else [False]):
+        turn = _second_turn(family, first.sequences, ids, mask, decoder_mask)
+        theirs, mine = copy.deepcopy(returned_cache(first)), copy.deepcopy(returned_cache(first))
+        step_counter.clear()
+        kwargs = dict(turn, max_new_tokens=5, return_dict_in_generate=True, **settings)
+        torch.manual_seed(3)
+        expected = reference.generate(**kwargs, past_key_values=theirs)
+        torch.manual_seed(3)
+        got = accelerated.generate(**kwargs, past_key_values=mine)
+        assert step_counter
+        assert torch.equal(got.sequences, expected.sequences)
+        assert_same_cache(returned_cache(got), returned_cache(expected))
+        assert_same_cache(mine, theirs)  # the caller's object is extended in place, as HF's loop does
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+def test_a_prefix_computed_once_serves_several_prompts(family):
+    """Prefix caching: a shared system prompt's forward-pass cache, copied for each question."""
+    accelerated, reference = _pair(family, 5)
+    system = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        prefix = reference(input_ids=system, use_cache=True).past_key_values
+    for seed in range(2):
+        question = torch.randint(3, 90, (1, 3), generator=torch.Generator().manual_seed(10 + seed))
+        kwargs = dict(input_ids=torch.cat([system, question], 1), max_new_tokens=6)
+        theirs, mine = copy.deepcopy(prefix), copy.deepcopy(prefix)
+        assert torch.equal(accelerated.generate(**kwargs, past_key_values=mine),
+                           reference.generate(**kwargs, past_key_values=theirs))
+        assert_same_cache(mine, theirs)
+
+
+def test_a_cache_covering_the_whole_input_is_a_clear_error():
+    accelerated, reference = _pair("gpt2", 5)
+    ids = torch.randint(3, 90, (1, 6))
+    with torch.no_grad():
+        cache = reference(input_ids=ids, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="at least one token after the cached ones"):
+        accelerated.generate(input_ids=ids, max_new_tokens=3, past_key_values=cache)
+
+
+def test_a_quantized_cache_keeps_hfs_loop(monkeypatch):
+    accelerated, _ = _pair("gpt2", 5)
+    monkeypatch.setenv("LIGHTGEN_STRICT", "1")
+    with pytest.raises(ValueError, match="cache_implementation='quantized'"):
+        accelerated.generate(input_ids=torch.randint(3, 90, (1, 4)), max_new_tokens=3,
+                             cache_implementation="quantized")
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_padded_decoder_prompts_with_decoder_attention_mask(num_beams, step_counter):
+    accelerated, reference = _pair("bart", 6)
+    ids, mask = padded_batch("bart", 3, 7, seed=6)
+    decoder_ids = torch.tensor([[2, 1, 1, 40, 41], [2, 50, 51, 52, 53], [2, 1, 60, 61, 62]])
+    decoder_mask = (decoder_ids != 1).long()
+    kwargs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids,
+                  decoder_attention_mask=decoder_mask, max_new_tokens=6, num_beams=num_beams,
+                  return_dict_in_generate=True, output_scores=True)
+    expected, got = reference.generate(**kwargs), accelerated.generate(**kwargs)
+    assert step_counter
+    assert torch.equal(got.sequences, expected.sequences)
+    for mine, theirs in zip(got.scores, expected.scores, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+    # The mask matters: without it the padded rows score differently.
+    unmasked = reference.generate(**{k: v for k, v in kwargs.items() if k != "decoder_attention_mask"})
+    assert not torch.allclose(unmasked.scores[0], expected.scores[0], atol=1e-3)
