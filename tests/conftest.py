@@ -63,3 +63,13 @@ def step_counter(monkeypatch):
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def dtype(request):
     return request.param
+
+
+@pytest.fixture
+def flat_pass_cost(monkeypatch):
+    """Every pass costs the same: aggressive decoding keeps each draft whole (as fixed-length drafting did),
+    for tests that count passes; the adaptive policy itself is tested in generation/test_draft_policy.py."""
+    from lightgen.generation import aggressive
+    from lightgen.generation.draft_policy import FixedPassCost
+
+    monkeypatch.setattr(aggressive, "default_cost", lambda decoder: FixedPassCost())

@@ -14,13 +14,16 @@ own lengths; finished rows leave the batch (and the drafter's batch).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from lightgen import ops
+from lightgen.generation.draft_policy import DraftPolicy, FixedPassCost, PassCost, measured_cost  # noqa: F401
 from lightgen.generation.tokens import pad_rows
 from lightgen.modules.decoder import Decoder
 
@@ -62,13 +65,32 @@ class DraftSession(Protocol):
 def find_anchor(output: list[int], source: list[int]) -> int | None:
     """Where to resume copying: after the unique occurrence in ``source`` of the shortest suffix of
     ``output`` (1-3 tokens) that occurs exactly once; None when every suffix is absent or ambiguous."""
+    return _anchor(output, _suffix_index(source))
+
+
+_AMBIGUOUS = -1
+
+
+def _suffix_index(source: list[int]) -> list[dict[tuple[int, ...], int]]:
+    """Per suffix length, n-gram -> the position after its one occurrence in ``source`` (or _AMBIGUOUS):
+    built once per sentence, so each pass looks anchors up instead of scanning the source per row."""
+    index = []
     for size in SUFFIX_LENGTHS:
+        ends: dict[tuple[int, ...], int] = {}
+        for start in range(len(source) - size + 1):
+            gram = tuple(source[start:start + size])
+            ends[gram] = _AMBIGUOUS if gram in ends else start + size
+        index.append(ends)
+    return index
+
+
+def _anchor(output, index) -> int | None:
+    for size, ends in zip(SUFFIX_LENGTHS, index, strict=True):
         if size > len(output):
             return None
-        suffix = output[-size:]
-        starts = [i for i in range(len(source) - size + 1) if source[i:i + size] == suffix]
-        if len(starts) == 1:
-            return starts[0] + size
+        end = ends.get(tuple(output[-size:]))
+        if end is not None and end != _AMBIGUOUS:
+            return end
     return None
 
 
@@ -77,13 +99,35 @@ class CopyFromInput:
 
     def __init__(self, sources: list[list[int]]) -> None:
         self.sources = sources
+        self._indexes = [_suffix_index(source) for source in sources]
+        self._table: torch.Tensor | None = None  # sources padded with -1, for drafting as one gather
 
     def draft(self, rows, outputs, sizes):
         drafts = []
         for row, output, size in zip(rows, outputs, sizes, strict=True):
-            start = find_anchor(output, self.sources[row])
+            start = _anchor(output, self._indexes[row])
             drafts.append([] if start is None else self.sources[row][start:start + size])
         return drafts
+
+    def draft_tensor(self, rows: torch.Tensor, tails: list[list[int]], sizes: torch.Tensor) -> torch.Tensor:
+        """``draft`` on tensors: rows [N] (batch rows), each row's last tokens ``tails`` (up to the longest
+        suffix), sizes [N] -> drafts [N, max(sizes)], -1 after each row's draft."""
+        width = int(sizes.max()) if sizes.numel() else 0
+        device = sizes.device
+        if self._table is None or self._table.device != device:
+            longest = max(map(len, self.sources), default=0)
+            self._table = torch.tensor([source + [-1] * (longest - len(source)) for source in self.sources],
+                                       dtype=torch.long, device=device).reshape(len(self.sources), longest)
+        if width == 0:
+            return torch.empty(len(tails), 0, dtype=torch.long, device=device)
+        starts = [_anchor(tail, self._indexes[row]) for row, tail in zip(rows.tolist(), tails, strict=True)]
+        found = torch.tensor([start is not None for start in starts], device=device)
+        begin = torch.tensor([start or 0 for start in starts], device=device)
+        table = F.pad(self._table, (0, width), value=-1)[rows]
+        places = begin[:, None] + torch.arange(width, device=device)
+        drafts = table.gather(1, places)
+        keep = found[:, None] & (torch.arange(width, device=device) < sizes[:, None])
+        return drafts.masked_fill(~keep, -1)
 
     def close(self) -> None:
         pass
@@ -137,104 +181,149 @@ class DraftBudget:
 
 def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: DraftSession, eos_ids: set[int],
                       pad_token_id: int, max_length: int, max_draft: int | DraftBudget,
-                      acceptance: Acceptance = GREEDY, forced_eos: int | None = None,
-                      streamer=None) -> tuple[torch.Tensor, list[list[int]]]:
+                      acceptance: Acceptance = GREEDY, forced_eos: int | None = None, streamer=None, *,
+                      pass_cost: PassCost | None = None) -> tuple[torch.Tensor, list[list[int]]]:
     """Greedy decoding (or GAD++'s relaxation of it), accelerated by ``drafter``'s guesses; a row that
     reaches ``max_length`` ends with ``forced_eos`` when given. A ``streamer`` (one row only) gets each
     pass's new tokens, [1, n], as from HF's assisted decoding.
 
     ``max_draft``: the most draft tokens per row and pass, or a ``DraftBudget`` that sets it from the
-    number of rows still decoding. Returns the sequences and, per row, the tokens each of its decoder
-    passes added (accepted draft tokens + the verifier's own token); a row's pass count is the length of
-    its list. The cache needs as many spare positions as the longest draft: padding after short drafts is
-    written there and rolled back."""
+    number of rows still decoding; within it ``DraftPolicy`` drafts less where drafts keep being rejected,
+    down to plain greedy passes, by ``pass_cost`` (default: flat, ``FixedPassCost()``, which keeps drafts
+    whole within the per-row caps; ``measured_cost(decoder)`` measures it on this decoder). Returns the
+    sequences and, per row, the tokens each of its
+    decoder passes added (accepted draft tokens + the verifier's own token); a row's pass count is the
+    length of its list. The cache needs as many spare positions as the longest draft: padding after short
+    drafts is written there and rolled back.
+
+    The bookkeeping is tensor ops over the rows still decoding (``sequences`` holds every row's tokens so
+    far, ``lengths`` how many): per-row Python runs only where a drafter takes token lists."""
     rows, prompt_len = input_ids.shape
     device = input_ids.device
-    outputs = [row.tolist() for row in input_ids]  # full sequences so far, per row
-    live = list(range(rows))  # original row index of each row still decoding
-    gained = [[] for _ in range(rows)]
-    vocab = decoder.spec.token_embedding.shape[0]
+    sequences = torch.full((rows, max_length), pad_token_id, dtype=torch.long, device=device)
+    sequences[:, :prompt_len] = input_ids
+    lengths = torch.full((rows,), prompt_len, dtype=torch.long, device=device)
+    live = torch.arange(rows, device=device)  # batch row of each row still decoding
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+    # The measured cost line is not the default yet: on a heavily loaded machine its fit came out steep enough to
+    # keep copy-heavy demo rows at one-token drafts (1.3-1.4 tokens per pass instead of > 2). Pass
+    # ``pass_cost=measured_cost(decoder)`` to use it; the flat default keeps drafts whole within the per-row caps.
+    policy = DraftPolicy(rows, pass_cost if pass_cost is not None else default_cost(decoder))
+    history: list[tuple[torch.Tensor, torch.Tensor]] = []  # per pass: (rows in it, tokens each added)
     if prompt_len == 1:  # a lone start token (encoder-decoder): the first pass already verifies a draft
-        drafts = _draft(drafter, live, outputs, max_length, max_draft, vocab)
-        logits, best, draft_tensor = _verify(decoder, state, outputs, live, drafts, pad_token_id, input_ids.dtype,
-                                             acceptance)
+        logits, best, drafts = _draft_and_verify(decoder, state, drafter, policy, sequences, lengths, live,
+                                                 max_length, max_draft, pad_token_id, acceptance)
     else:
         logits = decoder.step(state, input_ids, prompt_positions)[:, None]  # the prompt pass: [rows, 1, V]
         best = ops.greedy_tokens(logits)
-        drafts, draft_tensor = [[] for _ in live], best.new_empty(rows, 0)
+        drafts = best.new_empty(rows, 0)
     while True:
-        width = best.shape[1] - 1
-        passed = acceptance.accepted(logits, best, draft_tensor).cumprod(-1).sum(-1).tolist()
-        predictions = best.tolist()
-        rejected, finished = [], []
-        for slot, row in enumerate(live):
-            accepted = passed[slot]
-            new_tokens = drafts[slot][:accepted] + [predictions[slot][accepted]]
-            rejected.append(width - accepted)
-            for position, token in enumerate(new_tokens):
-                last = len(outputs[row]) + position + 1 >= max_length
-                if last or token in eos_ids:
-                    new_tokens = new_tokens[:position + 1]
-                    if last and forced_eos is not None:  # HF's ForcedEOSTokenLogitsProcessor
-                        new_tokens[-1] = forced_eos
-                    finished.append(slot)
-                    break
-            outputs[row].extend(new_tokens)
-            gained[row].append(len(new_tokens))
-            if streamer is not None:
-                streamer.put(torch.tensor([new_tokens]))
-        state.roll_back(torch.tensor(rejected, device=device))
-        if len(finished) == len(live):
+        width = drafts.shape[1]
+        accepted = acceptance.accepted(logits, best, drafts).cumprod(-1).sum(-1)  # [rows]
+        if width:
+            policy.observe((drafts >= 0).sum(-1), accepted)
+        places = torch.arange(width + 1, device=device)
+        # A row adds its accepted draft tokens and the verifier's token after them ...
+        new_tokens = torch.where(places < accepted[:, None], F.pad(drafts, (0, 1), value=-1), best)
+        taken = torch.minimum(accepted + 1, max_length - lengths[live])
+        # ... up to its first EOS, or up to max_length (where HF's ForcedEOSTokenLogitsProcessor forces EOS).
+        ends = torch.isin(new_tokens, eos) & (places < taken[:, None])
+        ended = ends.any(-1)
+        taken = torch.where(ended, ends.int().argmax(-1) + 1, taken)
+        full = lengths[live] + taken >= max_length
+        if forced_eos is not None:
+            new_tokens[full, taken[full] - 1] = forced_eos
+        kept = places < taken[:, None]
+        columns = lengths[live][:, None] + places
+        sequences.index_put_((live[:, None].expand_as(columns)[kept], columns[kept]), new_tokens[kept])
+        lengths[live] += taken
+        history.append((live, taken))
+        if streamer is not None:
+            streamer.put(new_tokens[:1, :int(taken[0])].cpu())
+        state.roll_back(width - accepted)
+        finished = ended | full
+        if bool(finished.all()):
             break
-        if finished:
-            keep = [slot for slot in range(len(live)) if slot not in finished]
-            state.keep_rows(torch.tensor(keep, device=device))
-            live = [live[slot] for slot in keep]
-        drafts = _draft(drafter, live, outputs, max_length, max_draft, vocab)
-        logits, best, draft_tensor = _verify(decoder, state, outputs, live, drafts, pad_token_id, input_ids.dtype,
-                                             acceptance)
-    return pad_rows(outputs, pad_token_id, device).to(input_ids.dtype), gained
+        if bool(finished.any()):
+            keep = (~finished).nonzero().squeeze(1)
+            state.keep_rows(keep)
+            policy.keep(keep)
+            live = live[keep]
+        logits, best, drafts = _draft_and_verify(decoder, state, drafter, policy, sequences, lengths, live,
+                                                 max_length, max_draft, pad_token_id, acceptance)
+    gained = [[] for _ in range(rows)]
+    for pass_rows, pass_tokens in history:
+        for row, count in zip(pass_rows.tolist(), pass_tokens.tolist(), strict=True):
+            gained[row].append(count)
+    return sequences[:, :int(lengths.max())].to(input_ids.dtype), gained
 
 
-def _draft(drafter, live, outputs, max_length, max_draft, vocab: int) -> list[list[int]]:
+def default_cost(decoder) -> PassCost:
+    return FixedPassCost()
+
+
+def _draft_and_verify(decoder, state, drafter, policy: DraftPolicy, sequences, lengths, live, max_length, max_draft,
+                      pad_token_id, acceptance: Acceptance):
+    """Drafts for the rows still decoding, cut to the width the policy picks, and one pass verifying them:
+    the logits [rows, 1 + K, V] when the acceptance rule reads them (None otherwise), their argmax [rows, 1 + K]
+    (-1 at the padding after short drafts, which greedy acceptance never reads, so lightgen's decoder skips
+    their LM head) and the drafts [rows, K] (-1 after each row's draft). The pass's time goes to the
+    policy's cost line."""
     if isinstance(max_draft, DraftBudget):
-        max_draft = max_draft.per_row(len(live))
+        max_draft = max_draft.per_row(live.shape[0])
+    row_lengths = lengths[live]
     # The verifier's own token needs one more place after the draft.
-    sizes = [min(max_draft, max_length - len(outputs[row]) - 1) for row in live]
-    drafts = drafter.draft(live, [outputs[row] for row in live], sizes)
-    if len(drafts) != len(live):
-        raise ValueError(f"the drafter returned {len(drafts)} drafts for {len(live)} rows")
-    return [_within_vocabulary(list(map(int, draft))[:size], vocab) for draft, size in zip(drafts, sizes, strict=True)]
-
-
-def _within_vocabulary(draft: list[int], vocab: int) -> list[int]:
-    """A drafter only proposes: a draft ends before its first id outside the vocabulary (negative, or past
-    the embedding), which greedy could never have chosen, so the verifier's own token takes its place."""
-    for position, token in enumerate(draft):
-        if not 0 <= token < vocab:
-            return draft[:position]
-    return draft
-
-
-def _verify(decoder, state, outputs, live, drafts, pad_token_id, dtype,
-            acceptance: Acceptance) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """One decoder pass over ``[last token, draft]`` per row: the logits [rows, 1 + K, V] when the
-    acceptance rule reads them (None otherwise), their argmax [rows, 1 + K] (-1 at the padding after
-    short drafts, which greedy acceptance never reads, so lightgen's decoder skips their LM head) and the
-    drafts [rows, K] (-1 after each row's draft)."""
+    sizes = policy.plan((max_length - row_lengths - 1).clamp(max=max_draft))
+    drafts = _within_vocabulary(_draft(drafter, live, sequences, row_lengths, sizes.to(live.device)),
+                                decoder.spec.token_embedding.shape[0])
+    draft_lengths = (drafts >= 0).sum(-1)
+    drafts = drafts[:, :policy.width(draft_lengths)]
+    draft_lengths = draft_lengths.clamp(max=drafts.shape[1])
     device = state.next_position.device
-    padded = pad_rows([[outputs[row][-1], *draft] for row, draft in zip(live, drafts, strict=True)], pad_token_id,
-                      device)
-    tokens, width = padded.to(dtype), padded.shape[1] - 1
-    draft_lengths = torch.tensor([len(draft) for draft in drafts], device=device)
+    last = sequences[live, row_lengths - 1]
+    tokens = torch.cat([last[:, None], drafts.clamp(min=0)], 1)
+    width = drafts.shape[1]
     real = torch.arange(1 + width, device=device) <= draft_lengths[:, None]
-    draft_tensor = padded[:, 1:].masked_fill(~real[:, 1:], -1)
+    tokens = tokens.masked_fill(~real, pad_token_id)
     # Padding after short drafts is computed and rolled back; clamp its positions into the table.
     positions = (state.next_position[:, None] + torch.arange(1 + width, device=device)).clamp(
         max=decoder.spec.position_limit - 1)
+    started = time.perf_counter()
     if acceptance.reads_logits or not isinstance(decoder, Decoder):  # fairseq's scorer post-processes every position
         logits = decoder.step(state, tokens, positions, all_positions=True)
-        return logits, ops.greedy_tokens(logits), draft_tensor
-    best = torch.full(tokens.shape, -1, dtype=torch.long, device=device)
-    best[real] = ops.greedy_tokens(decoder.step(state, tokens, positions, scored=real))
-    return None, best, draft_tensor
+        best = ops.greedy_tokens(logits)
+    else:
+        logits = None
+        best = torch.full(tokens.shape, -1, dtype=torch.long, device=device)
+        best[real] = ops.greedy_tokens(decoder.step(state, tokens, positions, scored=real))
+    if best.is_cuda:  # kernels run asynchronously there
+        torch.cuda.synchronize(best.device)
+    policy.timed(tokens.numel(), time.perf_counter() - started)
+    return logits, best, drafts
+
+
+def _within_vocabulary(drafts: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A drafter only proposes: a draft ends before its first id outside the vocabulary (negative, or past
+    the embedding), which greedy could never have chosen, so the verifier's own token takes its place."""
+    outside = (drafts < 0) | (drafts >= vocab)  # -1 after a draft's end counts too: it stays -1
+    return drafts.masked_fill(outside.cummax(-1).values, -1) if bool(outside.any()) else drafts
+
+
+def _draft(drafter, live: torch.Tensor, sequences, row_lengths, sizes) -> torch.Tensor:
+    """[rows, max(sizes)] draft tokens, -1 after each row's draft."""
+    if not bool((sizes > 0).any()):
+        return sizes.new_empty(sizes.shape[0], 0)
+    longest = SUFFIX_LENGTHS[-1]
+    if isinstance(drafter, CopyFromInput):
+        # Only the suffixes that anchors are looked up by leave the tensors.
+        ends = row_lengths[:, None] - torch.arange(min(longest, sequences.shape[1]), 0, -1, device=sizes.device)
+        tails = sequences[live[:, None], ends.clamp(min=0)].tolist()
+        tails = [tail[max(0, len(tail) - length):] for tail, length in zip(tails, row_lengths.tolist(), strict=True)]
+        return drafter.draft_tensor(live, tails, sizes)
+    outputs = [row[:length] for row, length in zip(sequences[live].tolist(), row_lengths.tolist(), strict=True)]
+    limits = sizes.tolist()
+    drafts = drafter.draft(live.tolist(), outputs, limits)
+    if len(drafts) != len(outputs):
+        raise ValueError(f"the drafter returned {len(drafts)} drafts for {len(outputs)} rows")
+    drafts = [list(map(int, draft))[:size] for draft, size in zip(drafts, limits, strict=True)]
+    return pad_rows([[*draft, -1] for draft in drafts], -1, sizes.device)[:, :-1]

@@ -395,7 +395,8 @@ def test_iad_drafting_from_the_input_equals_greedy(family, seed):
 
 @pytest.mark.parametrize("family", GENERATING)
 @pytest.mark.parametrize("corrupt_every", [0, 5, 2])
-def test_iad_with_good_and_bad_drafts_equals_greedy_in_fewer_passes(family, corrupt_every, step_counter):
+def test_iad_with_good_and_bad_drafts_equals_greedy_in_fewer_passes(family, corrupt_every, step_counter,
+                                                                    flat_pass_cost):
     """Drafts copied from the greedy output itself (every n-th token corrupted): long acceptances,
     rejections and anchors that move; the tokens must stay greedy's."""
     accelerated, expected, kwargs = _greedy_without_processors(family, 5, batch=4)

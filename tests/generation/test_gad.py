@@ -164,7 +164,7 @@ def _oracle(expected, corrupt_every=0, eos=None):
 
 @pytest.mark.parametrize("family", ["bart", "marian", "gpt2", "llama"])
 @pytest.mark.parametrize("corrupt_every, eos", [(0, None), (3, None), (2, None), (0, 2)])
-def test_gad_with_good_bad_and_eos_drafts_equals_greedy(family, corrupt_every, eos, step_counter):
+def test_gad_with_good_bad_and_eos_drafts_equals_greedy(family, corrupt_every, eos, step_counter, flat_pass_cost):
     accelerated, _, expected, kwargs = _greedy(family, 3, batch=4)
     out = accelerated.generate(**kwargs, decoding="gad", drafter=_oracle(expected, corrupt_every, eos), block_size=5,
                                return_dict_in_generate=True)
@@ -199,7 +199,7 @@ def test_a_drafter_answering_for_the_wrong_number_of_rows_is_a_clear_error():
 
 @pytest.mark.parametrize("family", ["bart", "mbart", "gpt2", "qwen2"])
 @pytest.mark.parametrize("assistant_seed", [None, 7])
-def test_gad_with_an_autoregressive_assistant_equals_greedy(family, assistant_seed, step_counter):
+def test_gad_with_an_autoregressive_assistant_equals_greedy(family, assistant_seed, step_counter, flat_pass_cost):
     """A small AR model drafts on its own cache; the verifier's copy as assistant drafts greedy itself."""
     accelerated, reference, expected, kwargs = _greedy(family, 2, batch=4, new_tokens=18)
     assistant = copy.deepcopy(reference) if assistant_seed is None else build(family, seed=assistant_seed)

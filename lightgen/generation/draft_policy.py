@@ -1,0 +1,158 @@
+"""How many draft tokens each row verifies per pass, so that aggressive decoding never loses to greedy.
+
+A verification pass over ``rows x (1 + K)`` positions adds to each row its verifier token plus the
+accepted prefix of its draft, and costs what a pass of that many positions costs. Where drafts keep
+being rejected (chat prompts under IAD: ~1.05 tokens per pass) and positions are not free (batch 8 is
+compute-bound), the wide pass is pure loss: issue 25 measured IAD at 0.49x lightgen greedy there.
+
+``DraftPolicy`` keeps, per row, an estimate ``p`` of the chance that its next draft token is accepted
+(a Beta prior, the evidence decayed so that rows entering or leaving a copied span adapt); a row
+drafts at most the tokens whose expected acceptance ``p^i`` is worth a place, and the pass width is the
+``K`` that maximises expected tokens per second, ``sum_rows(1 + sum_{i<=K} p^i) / cost(rows x (1+K))``,
+with ``cost`` measured on this decoder (``PassCost``). When that is ``K = 0`` the pass is a plain greedy
+step; while it stays so, a one-token probe every few passes (waits doubling while probes fail) lets
+rows whose drafts start to match again draft again. The tokens are greedy's whatever the policy
+decides: it only changes how many are verified per pass.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import torch
+
+# Pseudo-counts of accepted / rejected draft tokens before a row has drafted: p = 2/3 at first.
+PRIOR_ACCEPTED, PRIOR_REJECTED = 2.0, 1.0
+# Evidence kept per observation; also bounds how low p sinks under rejections (~0.21: one-token drafts).
+DECAY = 0.85
+# Draft tokens whose expected acceptance is below this are not worth their place (and their LM-head row).
+WORTHWHILE = 0.05
+FIRST_PROBE_WAIT, LONGEST_PROBE_WAIT = 2, 32
+
+
+class PassCost:
+    """Seconds per decoder pass against the positions it feeds (rows x width), measured on one decoder.
+
+    Per position count the lowest of the last few times (load only ever adds time), then a least-squares
+    line ``a + b * positions`` through them; with fewer than two counts seen, every pass costs the same
+    (the policy then drafts in full, as fixed-length drafting did, and so sees more widths)."""
+
+    def __init__(self, window: int = 8, counts: int = 64) -> None:
+        self._times: collections.OrderedDict[int, collections.deque] = collections.OrderedDict()
+        self._window, self._counts = window, counts
+
+    def observe(self, positions: int, seconds: float) -> None:
+        times = self._times.pop(positions, None) or collections.deque(maxlen=self._window)
+        times.append(seconds)
+        self._times[positions] = times  # most recently seen last; the oldest count goes first
+        if len(self._times) > self._counts:
+            self._times.popitem(last=False)
+
+    def line(self) -> tuple[float, float]:
+        """(a, b): seconds of a pass over n positions ~ a + b n, with a > 0 and b >= 0."""
+        if len(self._times) < 2:
+            return 1.0, 0.0
+        points = [(n, min(times)) for n, times in self._times.items()]
+        mean_n = sum(n for n, _ in points) / len(points)
+        mean_t = sum(t for _, t in points) / len(points)
+        spread = sum((n - mean_n) ** 2 for n, _ in points)
+        slope = max(0.0, sum((n - mean_n) * (t - mean_t) for n, t in points) / spread)
+        floor = min(t for _, t in points)
+        return max(mean_t - slope * mean_n, 0.1 * floor), slope
+
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        a, b = self.line()
+        return a + b * positions.double()
+
+
+class FixedPassCost(PassCost):
+    """A cost line given, not measured (tests, or a machine profiled beforehand); ``slope=0`` makes
+    every width cost the same, which keeps every draft in full."""
+
+    def __init__(self, intercept: float = 1.0, slope: float = 0.0) -> None:
+        super().__init__()
+        self._line = (intercept, slope)
+
+    def observe(self, positions: int, seconds: float) -> None:
+        pass
+
+    def line(self) -> tuple[float, float]:
+        return self._line
+
+
+def measured_cost(decoder) -> PassCost:
+    """The pass cost of ``decoder``, kept on it across ``generate`` calls (on the decoder that fairseq's
+    per-call scoring wrapper wraps)."""
+    owner = getattr(decoder, "decoder", decoder)
+    cost = owner.__dict__.get("_lightgen_pass_cost")
+    if cost is None:
+        cost = owner.__dict__["_lightgen_pass_cost"] = PassCost()
+    return cost
+
+
+class DraftPolicy:
+    """Draft lengths and pass widths for one aggressive-decoding call; rows are the ones still decoding."""
+
+    def __init__(self, rows: int, cost: PassCost) -> None:
+        self.cost = cost
+        self.accepted = torch.zeros(rows, dtype=torch.float64)  # decayed counts of accepted draft tokens
+        self.rejected = torch.zeros(rows, dtype=torch.float64)  # ... and of rejections
+        self._greedy_passes, self._probe_wait = 0, FIRST_PROBE_WAIT
+        self._probing, self._planned = False, 0
+
+    def acceptance(self) -> torch.Tensor:
+        """[rows] float64: the estimated chance that a row's next draft token is accepted."""
+        return (self.accepted + PRIOR_ACCEPTED) / (self.accepted + self.rejected + PRIOR_ACCEPTED + PRIOR_REJECTED)
+
+    def plan(self, limits: torch.Tensor) -> torch.Tensor:
+        """``limits`` [rows] int64 (the most each row may draft) -> how many tokens to ask the drafter for:
+        the worthwhile ones, up to the pass width they would pay for (or a one-token probe)."""
+        worthwhile = torch.floor(math.log(WORTHWHILE) / self.acceptance().log()).clamp(min=0)  # p^i >= WORTHWHILE
+        sizes = torch.minimum(limits.cpu(), worthwhile.long())
+        self._probing = False
+        self._planned = self._best_width(sizes)
+        if self._planned > 0:
+            self._greedy_passes = 0
+        elif bool((sizes > 0).any()):
+            self._greedy_passes += 1
+            if self._greedy_passes >= self._probe_wait:
+                self._greedy_passes, self._probing, self._planned = 0, True, 1
+        return sizes.clamp(max=self._planned)
+
+    def width(self, lengths: torch.Tensor) -> int:
+        """``lengths`` [rows] int64 (the drafts the drafter gave, at most as planned) -> K, the draft tokens
+        per row this pass verifies: drafts shorter than planned may pay for a narrower pass."""
+        lengths = lengths.cpu()
+        if self._probing:
+            return min(self._planned, int(lengths.max()) if lengths.numel() else 0)
+        return min(self._planned, self._best_width(lengths))
+
+    def _best_width(self, lengths: torch.Tensor) -> int:
+        longest = int(lengths.max()) if lengths.numel() else 0
+        if longest == 0:
+            return 0
+        rows = lengths.shape[0]
+        places = torch.arange(1, longest + 1, dtype=torch.float64)
+        expected = (self.acceptance()[:, None] ** places) * (places <= lengths[:, None])
+        tokens = torch.cat([torch.zeros(1, dtype=torch.float64), expected.sum(0).cumsum(0)]) + rows  # K = 0..longest
+        rate = tokens / self.cost(rows * (1 + torch.arange(longest + 1)))
+        # The widest K as good as the best: flat costs (no evidence yet) keep drafts whole.
+        return int((rate >= rate.max() * (1 - 1e-9)).nonzero().max())
+
+    def observe(self, offered: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Each row verified ``offered`` [rows] draft tokens and kept the first ``accepted`` [rows]."""
+        offered, accepted = offered.cpu().double(), accepted.cpu().double()
+        drafted = offered > 0
+        self.accepted = torch.where(drafted, self.accepted * DECAY + accepted, self.accepted)
+        self.rejected = torch.where(drafted, self.rejected * DECAY + (accepted < offered).double(), self.rejected)
+        if self._probing:  # a probe that kept nothing: wait longer before the next
+            self._probe_wait = (FIRST_PROBE_WAIT if bool((accepted > 0).any())
+                                else min(2 * self._probe_wait, LONGEST_PROBE_WAIT))
+
+    def keep(self, slots: torch.Tensor) -> None:
+        slots = slots.cpu()
+        self.accepted, self.rejected = self.accepted[slots], self.rejected[slots]
+
+    def timed(self, positions: int, seconds: float) -> None:
+        self.cost.observe(positions, seconds)
