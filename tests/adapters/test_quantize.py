@@ -43,7 +43,8 @@ def test_quantized_forward_is_close_and_state_dict_is_unchanged(family, precisio
     ids, mask = padded_batch(family, 3, 12, seed=3)
     got, expected = forward_logits(model, family, ids, mask), forward_logits(reference, family, ids, mask)
     keep = valid_positions(family, mask, expected)  # padded positions' logits carry no meaning
-    error, bf16_error = _relative_error(got[keep], expected[keep]), _quantized_error(family, "bf16", ids, mask, expected)
+    error = _relative_error(got[keep], expected[keep])
+    bf16_error = _quantized_error(family, "bf16", ids, mask, expected)
     assert 0 < bf16_error < MAX_BF16_RELATIVE_ERROR
     assert 0 < error <= MAX_TIMES_BF16[precision] * bf16_error
     lightgen.restore_model(model)
