@@ -112,7 +112,7 @@ def test_unsupported_argument_falls_back_with_a_warning(monkeypatch):
 @pytest.mark.parametrize("family", ["bart", "gpt2"])
 def test_hf_cache_is_built_only_when_hf_loop_runs(family, monkeypatch):
     """lightgen's loop skips HF's cache object (it never reads it); a fall back inside the engine (here
-    output_attentions, refused after HF's front half) builds it and returns HF's own result."""
+    output_attentions of a static cache, refused after HF's front half) builds it and returns HF's own result."""
     from transformers import GenerationMixin
 
     built = []
@@ -126,7 +126,8 @@ def test_hf_cache_is_built_only_when_hf_loop_runs(family, monkeypatch):
     assert len(built) == 1  # the reference's
     config = copy.deepcopy(reference.generation_config)  # in a config, it reaches the engine's own check
     config.output_attentions = config.return_dict_in_generate = True
-    with pytest.warns(RuntimeWarning, match="'output_attentions=True' is not supported"):
+    config.cache_implementation = "static"
+    with pytest.warns(RuntimeWarning, match="attentions with StaticLayer cache layers are not supported"):
         got = accelerated.generate(**kwargs, generation_config=config)
     expected = reference.generate(**kwargs, generation_config=config)
     assert len(built) == 3 and got.cache is not None
