@@ -261,14 +261,14 @@ def _observes(generation_config) -> bool:
                 and (generation_config.output_attentions or generation_config.output_hidden_states))
 
 
-def _observing_unsupported(generation_config, model_kwargs) -> str | None:
+def _observing_unsupported(generation_config) -> str | None:
     if not _observes(generation_config):
         return None
     if generation_config.get_generation_mode() == GenerationMode.GROUP_BEAM_SEARCH:
         return "attentions and hidden states of group beam search are not supported"
     if not generation_config.use_cache:  # HF then reruns the whole sequence each step: its outputs cover it all
         return "attentions and hidden states with use_cache=False are not supported"
-    if getattr(generation_config, "prefill_chunk_size", None) is not None:  # HF's prefill outputs are then the last chunk's
+    if getattr(generation_config, "prefill_chunk_size", None) is not None:  # HF's then are the last chunk's
         return "attentions and hidden states with prefill_chunk_size are not supported"
     if not isinstance(generation_config.output_hidden_states, (bool, type(None))):
         return f"selecting hidden states (output_hidden_states={generation_config.output_hidden_states!r}) is " \
@@ -279,7 +279,10 @@ def _observing_unsupported(generation_config, model_kwargs) -> str | None:
 def _attention_windows(cache, layers: int) -> tuple[int, ...] | str:
     """Per layer, the keys HF's cache hands attention (see ``Observed.windows``), or why lightgen cannot tell:
     a static cache's weights span its whole length, other layers hold other states."""
-    cache_layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None)
+    self_cache = getattr(cache, "self_attention_cache", cache)
+    cache_layers = getattr(self_cache, "layers", None)
+    if cache_layers == [] and getattr(self_cache, "layer_class_to_replicate", None) is DynamicLayer:
+        return (0,) * layers  # a DynamicCache() without a config makes its layers on first use
     if cache_layers is None or len(cache_layers) != layers:
         return f"attentions with a {type(cache).__name__} cache are not supported"
     windows = []
@@ -312,7 +315,7 @@ def _unsupported(model, generation_config, model_kwargs, input_ids) -> str | Non
     if mode == GenerationMode.GROUP_BEAM_SEARCH and (_prompt_embeds(model, model_kwargs) is not None
                                                      or model_kwargs.get("token_type_ids") is not None):
         return "group beam search from inputs_embeds or token_type_ids is not supported"
-    reason = _observing_unsupported(generation_config, model_kwargs)
+    reason = _observing_unsupported(generation_config)
     if reason is not None:
         return reason
     decoder_mask = model_kwargs.get("decoder_attention_mask")
@@ -401,8 +404,9 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
                                                                      generation_config)
     # The embeddings stand for the prompt: the tokens HF returns are input_ids (often none) and the new ones.
     prompt_len = embeds.shape[1] if embeds is not None else input_ids.shape[1]
-    start = dict(rows=input_ids.shape[0], max_len=generation_config.max_length - input_ids.shape[1] + prompt_len
-                 + past - cached, dtype=embedding.dtype, device=embedding.device, prompt_mask=model_kwargs.get(mask_key))
+    max_len = generation_config.max_length - input_ids.shape[1] + prompt_len + past - cached
+    start = dict(rows=input_ids.shape[0], max_len=max_len, dtype=embedding.dtype, device=embedding.device,
+                 prompt_mask=model_kwargs.get(mask_key))
     if model.config.is_encoder_decoder:
         state = decoder.start(**start, encoder_hidden=model_kwargs["encoder_outputs"][0],
                               encoder_mask=model_kwargs.get("attention_mask"),

@@ -7,7 +7,9 @@ import warnings
 
 import pytest
 import torch
-from models import build, padded_batch
+import transformers as tf
+from models import VOCAB, build, padded_batch
+from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 import lightgen
@@ -325,15 +327,19 @@ def test_attentions_and_hidden_states_are_hfs(family, settings, step_counter):
             _assert_steps_close(getattr(got, name), getattr(expected, name), real)
 
 
-def test_hidden_states_alone_and_attentions_of_a_static_cache(step_counter):
+def test_hidden_states_alone_and_attentions_of_other_caches(step_counter):
     accelerated, reference = _pair("llama", 7)
     ids, mask = padded_batch("llama", 2, 6, seed=7)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True)
     expected, got = _generate_both(reference, accelerated, **kwargs, output_hidden_states=True)
     assert step_counter and got.attentions is None and expected.attentions is None
     _assert_steps_close(got.hidden_states, expected.hidden_states, mask.bool())
-    # HF's static cache hands attention all its slots: the weights' shapes follow HF's cache, so HF's loop runs.
     reference.set_attn_implementation("eager")
+    # A caller's empty DynamicCache() (chat code), which makes its layers on first use.
+    results = [model.generate(**kwargs, output_attentions=True, past_key_values=DynamicCache())
+               for model in (reference, accelerated)]
+    _assert_steps_close(results[1].attentions, results[0].attentions, mask.bool())
+    # HF's static cache hands attention all its slots: the weights' shapes follow HF's cache, so HF's loop runs.
     with pytest.warns(RuntimeWarning, match="attentions with StaticLayer cache layers are not supported"):
         expected, got = _generate_both(reference, accelerated, **kwargs, output_attentions=True,
                                        cache_implementation="static")
@@ -357,6 +363,26 @@ def test_inputs_embeds_are_hfs(family, settings, step_counter):
                                        **settings)
         assert torch.equal(got, expected)
     assert step_counter
+
+
+@pytest.mark.parametrize("config_class, model_class",
+                         [(tf.BartConfig, tf.BartForCausalLM), (tf.MarianConfig, tf.MarianForCausalLM)],
+                         ids=["bart", "marian"])
+def test_given_embeddings_are_scaled_where_hf_scales_them(config_class, model_class, step_counter):
+    """Both scale their own lookup by sqrt(d_model); Marian's forward also scales embeddings it is given,
+    BART's (whose scale lives in the embedding module) does not."""
+    torch.manual_seed(5)
+    config = config_class(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, decoder_attention_heads=4,
+                          decoder_ffn_dim=48, max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
+                          eos_token_id=2, decoder_start_token_id=2, is_decoder=True, is_encoder_decoder=False,
+                          scale_embedding=True)
+    reference = model_class(config).eval()
+    accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        embeds = reference.get_input_embeddings()(ids)
+    expected, got = _generate_both(reference, accelerated, inputs_embeds=embeds, max_new_tokens=6, do_sample=False)
+    assert step_counter and torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("settings", MODES, ids=MODE_IDS)

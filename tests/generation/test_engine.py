@@ -91,22 +91,25 @@ def test_seeded_sampling_identical_to_hf(family, settings):
 
 
 def test_unsupported_argument_falls_back_with_a_warning(monkeypatch):
+    from transformers import GenerationMixin
+
     accelerated, reference = _pair("bart", 6)
     ids, mask = padded_batch("bart", 1, 6, seed=6)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, return_dict_in_generate=True)
-    with pytest.warns(RuntimeWarning, match="argument 'output_hidden_states' is not supported"):
-        got = accelerated.generate(**kwargs, output_hidden_states=True)
-    expected = reference.generate(**kwargs, output_hidden_states=True)
-    assert torch.equal(got.sequences, expected.sequences) and got.decoder_hidden_states
-    gpt2, gpt2_reference = _pair("gpt2", 6)
-    embeds = gpt2_reference.transformer.wte(ids)  # tensors too, not only flags
-    with pytest.warns(RuntimeWarning, match="argument 'inputs_embeds'"):
-        got = gpt2.generate(inputs_embeds=embeds, max_new_tokens=5)
-    assert torch.equal(got, gpt2_reference.generate(inputs_embeds=embeds, max_new_tokens=5))
+    # A caller's own decoding loop is HF's to call (here HF's own sampling loop).
+    with pytest.warns(RuntimeWarning, match="argument 'custom_generate' is not supported"):
+        got = accelerated.generate(**kwargs, custom_generate=GenerationMixin._sample)
+    assert torch.equal(got.sequences, reference.generate(**kwargs).sequences)
+    embeds = reference.get_decoder().embed_tokens(torch.full((1, 1), 2))  # tensors too, not only flags
+    messages = []
+    for model in (reference, accelerated):  # HF's loop passes decoder_input_ids too, which its decoder refuses
+        with pytest.raises(ValueError) as refused:
+            model.generate(**kwargs, decoder_inputs_embeds=embeds)
+        messages.append(str(refused.value))
+    assert messages[0] == messages[1]
     monkeypatch.setenv("LIGHTGEN_STRICT", "1")
     with pytest.raises(ValueError, match="LIGHTGEN_STRICT=1"):
-        accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, output_attentions=True,
-                             return_dict_in_generate=True)
+        accelerated.generate(**kwargs, custom_generate=GenerationMixin._sample)
 
 
 @pytest.mark.parametrize("family", ["bart", "gpt2"])
