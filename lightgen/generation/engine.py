@@ -131,8 +131,10 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
                    if kwargs.get(name) is not None and kwargs.get(name) is not False), None)
     if reason is None and kwargs.get("cache_implementation") in HF_ONLY_CACHE_IMPLEMENTATIONS:
         reason = f"cache_implementation='{kwargs['cache_implementation']}' is not supported by lightgen's engine"
-    # lightgen's decoder reads weights directly, so it would skip hooks on the model's modules.
-    hooked = None if reason else next((name for name, module in model.named_modules() if skips_hooks(module)), None)
+    # lightgen's decoder reads weights directly, so it would skip hooks on the model's modules (HF's output
+    # recorders aside: the engine returns attentions and hidden states itself).
+    hooked = None if reason else next((name for name, module in model.named_modules()
+                                       if skips_hooks(module, output_recorders=False)), None)
     if hooked is not None:
         kind = "accelerate hooks (offloaded or dispatched weights)" if "_hf_hook" in vars(
             model.get_submodule(hooked)) else "forward hooks"
