@@ -173,3 +173,25 @@ def test_hf_loop_on_the_patched_layers_matches_hf(family):
     with pytest.warns(RuntimeWarning, match="carries forward hooks"):
         got = accelerated.generate(**kwargs)
     assert torch.equal(got, reference.generate(**kwargs))
+
+
+def test_opt_projections_with_given_embeddings_and_hidden_states():
+    """OPT-350m's shape: given embeddings are projected in as looked-up ones are; the last hidden state is
+    after project_out (HF's last_hidden_state)."""
+    reference = _variant("opt_post_ln_projected", 3)
+    accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
+    embeds = torch.randn(2, 6, 20, generator=torch.Generator().manual_seed(3))
+    kwargs = dict(inputs_embeds=embeds, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                  output_scores=True, output_hidden_states=True)
+    with warnings.catch_warnings():  # on lightgen's engine (no fallback)
+        warnings.filterwarnings("error", message="lightgen generate", category=RuntimeWarning)
+        got = accelerated.generate(**kwargs)
+    expected = reference.generate(**kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for mine, theirs in zip(got.scores, expected.scores, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+    assert len(got.hidden_states) == len(expected.hidden_states)
+    for mine, theirs in zip(got.hidden_states, expected.hidden_states, strict=True):
+        assert [t.shape for t in mine] == [t.shape for t in theirs]
+        for a, b in zip(mine, theirs, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import transformers as tf
-from models import VOCAB, build, padded_batch
+from models import DECODER_ONLY, SEQ2SEQ, VOCAB, build, padded_batch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
@@ -307,16 +307,28 @@ def _assert_steps_close(got, expected, prompt_positions=None):
 def test_attentions_and_hidden_states_are_hfs(family, settings, step_counter):
     """Per generated step, per layer, the running rows' (beams' after HF's reorder) weights and hidden states;
     Qwen2's sliding-window layer over the keys HF's cache keeps."""
+    _check_attentions_and_hidden_states(family, settings)
+    assert step_counter
+
+
+@pytest.mark.parametrize("family", sorted(set(SEQ2SEQ + DECODER_ONLY) - set(FAMILIES)))
+def test_attentions_and_hidden_states_of_every_family(family, step_counter):
+    """T5's position bias, OPT's projections and scaled queries, GPT-NeoX's parallel block, Gemma 2's
+    soft-capped and windowed layers, the seq2seq families' cross-attention."""
+    _check_attentions_and_hidden_states(family, dict(do_sample=False))
+    assert step_counter
+
+
+def _check_attentions_and_hidden_states(family, settings):
     accelerated, reference = _pair(family, 7)
     reference.set_attn_implementation("eager")  # HF returns attention weights from eager attention only
     ids, mask = padded_batch(family, 3, 7, seed=7)
     expected, got = _generate_both(reference, accelerated, input_ids=ids, attention_mask=mask, max_new_tokens=5,
                                    return_dict_in_generate=True, output_attentions=True, output_hidden_states=True,
                                    **settings)
-    assert step_counter
     assert torch.equal(got.sequences, expected.sequences)
     assert list(got.keys()) == list(expected.keys())
-    if family == "bart":
+    if family in SEQ2SEQ:
         for name in ("decoder_attentions", "cross_attentions", "decoder_hidden_states"):
             _assert_steps_close(getattr(got, name), getattr(expected, name))
         _assert_steps_close([got.encoder_attentions, got.encoder_hidden_states],
@@ -355,6 +367,18 @@ def test_hidden_states_alone_and_attentions_of_other_caches(step_counter):
 def test_inputs_embeds_are_hfs(family, settings, step_counter):
     """The prompt as embeddings (none of them any token's); decoder-only models also with the prompt's tokens,
     which HF then returns ahead of the new ones (without them, only the new ones)."""
+    _check_inputs_embeds(family, settings)
+    assert step_counter
+
+
+@pytest.mark.parametrize("family", sorted(set(DECODER_ONLY) - set(FAMILIES)))
+def test_inputs_embeds_of_every_decoder_only_family(family, step_counter):
+    """OPT projects given embeddings in; Gemma's scale lives in its embedding's lookup, not on given ones."""
+    _check_inputs_embeds(family, dict(do_sample=False))
+    assert step_counter
+
+
+def _check_inputs_embeds(family, settings):
     accelerated, reference = _pair(family, 8)
     ids, mask = padded_batch(family, 3, 7, seed=8)
     with torch.no_grad():
@@ -363,9 +387,10 @@ def test_inputs_embeds_are_hfs(family, settings, step_counter):
     calls = [dict(inputs_embeds=embeds)] + ([dict(inputs_embeds=embeds, input_ids=ids)] if family != "bart" else [])
     for call in calls:
         expected, got = _generate_both(reference, accelerated, **call, attention_mask=mask, max_new_tokens=5,
-                                       **settings)
-        assert torch.equal(got, expected)
-    assert step_counter
+                                       return_dict_in_generate=True, output_scores=True, **settings)
+        assert torch.equal(got.sequences, expected.sequences)
+        for mine, theirs in zip(got.scores, expected.scores, strict=True):  # tokens alone can miss a scale
+            torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("config_class, model_class",
