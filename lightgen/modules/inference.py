@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
 # transformers 5 installs these on a model's first call with output_attentions / output_hidden_states and keeps
 # them: they record outputs only while a call asks for them and never change what a module returns.
 _HF_OUTPUT_RECORDERS = "transformers.utils.output_capturing"

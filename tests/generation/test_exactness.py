@@ -131,7 +131,7 @@ def test_train_mode_without_active_dropout_stays_on_the_engine(step_counter):
 
 def test_output_attentions_on_grouped_query_heads():
     model = build("llama", seed=7)  # 4 query heads, 2 K/V heads
-    accelerated, reference = _pair(model)
+    accelerated, _ = _pair(model)
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
     ids, mask = padded_batch("llama", 2, 6, seed=7)
