@@ -13,8 +13,10 @@ _HF_OUTPUT_RECORDERS = "transformers.utils.output_capturing"
 def has_forward_hooks(module: nn.Module, output_recorders: bool = True) -> bool:
     """Whether ``module`` carries forward hooks or pre-hooks (``register_forward_hook``: capture, steering);
     ``output_recorders=False``: not counting HF's own output recorders."""
+    if not (module._forward_hooks or module._forward_pre_hooks):  # every patched forward asks: stay cheap
+        return False
     hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
-    return any(output_recorders or getattr(hook, "__module__", None) != _HF_OUTPUT_RECORDERS for hook in hooks)
+    return output_recorders or any(getattr(hook, "__module__", None) != _HF_OUTPUT_RECORDERS for hook in hooks)
 
 
 def skips_hooks(module: nn.Module, output_recorders: bool = True) -> bool:
