@@ -75,7 +75,10 @@ def bart_decoder(model, positions=_learned_or_fixed_positions) -> Decoder | None
         return None
     decoder = model.get_decoder()
     embed_tokens = decoder.embed_tokens
-    scale = embed_tokens.embed_scale if hasattr(embed_tokens, "embed_scale") else decoder.embed_scale
+    # BART, mBART, M2M100 scale inside the embedding's lookup; Marian and Pegasus in the decoder's forward, which
+    # scales a prompt given as embeddings too.
+    scaled_lookup = hasattr(embed_tokens, "embed_scale")
+    scale = embed_tokens.embed_scale if scaled_lookup else decoder.embed_scale
     # BartForCausalLM's layers carry cross-attention too, which HF skips without encoder states.
     crossed = model.config.is_encoder_decoder
     layers = tuple(
@@ -88,6 +91,7 @@ def bart_decoder(model, positions=_learned_or_fixed_positions) -> Decoder | None
     return Decoder(DecoderSpec(
         block=_spec(model.config, encoder=False), layers=layers, token_embedding=embed_tokens.weight,
         lm_head=model.lm_head, embed_scale=float(scale or 1.0), **positions(decoder.embed_positions),
+        input_embeds_scale=1.0 if scaled_lookup else float(scale or 1.0),
         embedding_norm=getattr(decoder, "layernorm_embedding", None), final_norm=getattr(decoder, "layer_norm", None),
         logits_bias=getattr(model, "final_logits_bias", None),
     ))

@@ -50,7 +50,7 @@ def gpt2_decoder(model) -> Decoder | None:
     )
     return Decoder(DecoderSpec(block=_block_spec(model.config), layers=layers, token_embedding=transformer.wte.weight,
                                lm_head=model.lm_head, position_table=transformer.wpe.weight,
-                               final_norm=transformer.ln_f))
+                               final_norm=transformer.ln_f, token_type_embedding=transformer.wte.weight))
 
 
 register_adapter(Adapter("gpt2", patch_gpt2, decoder=gpt2_decoder), "gpt2")

@@ -21,6 +21,7 @@ import warnings
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import (
     ForcedEOSTokenLogitsProcessor,
@@ -52,25 +53,25 @@ from lightgen.generation.aggressive import (
 from lightgen.generation.diverse import group_beam_search
 from lightgen.generation.drafting import start_session
 from lightgen.memory import cached_cpu_memory
-from lightgen.modules.decoder import ACCELERATE_ATTR, DECODER_ATTR
+from lightgen.modules.decoder import ACCELERATE_ATTR, DECODER_ATTR, Observed
 from lightgen.modules.inference import skips_hooks
 
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
                    GenerationMode.BEAM_SAMPLE, GenerationMode.GROUP_BEAM_SEARCH)
 
-# generate() arguments that need HF's own loop (they observe or replace model internals).
+# generate() arguments that need HF's own loop (they replace model internals, or leave one process).
 HF_ONLY_ARGUMENTS = (
     "assistant_model", "assistant_tokenizer", "prompt_lookup_num_tokens", "synced_gpus",
-    "custom_generate", "inputs_embeds", "decoder_inputs_embeds",
-    "output_attentions", "output_hidden_states", "head_mask", "decoder_head_mask",
-    "cross_attn_head_mask",
+    "custom_generate", "decoder_inputs_embeds", "head_mask", "decoder_head_mask", "cross_attn_head_mask",
 )
 # Cache kinds whose values differ from the exact ones lightgen's loop computes (or that leave generate()).
 HF_ONLY_CACHE_IMPLEMENTATIONS = ("quantized", "paged")
 
 # Keys HF leaves in model_kwargs that the lightgen loop understands (the rest mean a fallback).
+# ``inputs_embeds``: a decoder-only prompt's (the prefill reads it), or an encoder's (HF's encoder pass read it).
 _KNOWN_MODEL_KWARGS = {"attention_mask", "encoder_outputs", "use_cache", "logits_to_keep", "position_ids",
-                       "decoder_attention_mask", *ALL_CACHE_NAMES}
+                       "decoder_attention_mask", "inputs_embeds", "output_attentions", "output_hidden_states",
+                       *ALL_CACHE_NAMES}
 
 
 class UnsupportedGenerateArgument(ValueError):
@@ -130,8 +131,10 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
                    if kwargs.get(name) is not None and kwargs.get(name) is not False), None)
     if reason is None and kwargs.get("cache_implementation") in HF_ONLY_CACHE_IMPLEMENTATIONS:
         reason = f"cache_implementation='{kwargs['cache_implementation']}' is not supported by lightgen's engine"
-    # lightgen's decoder reads weights directly, so it would skip hooks on the model's modules.
-    hooked = None if reason else next((name for name, module in model.named_modules() if skips_hooks(module)), None)
+    # lightgen's decoder reads weights directly, so it would skip hooks on the model's modules (HF's output
+    # recorders aside: the engine returns attentions and hidden states itself).
+    hooked = None if reason else next((name for name, module in model.named_modules()
+                                       if skips_hooks(module, output_recorders=False)), None)
     if hooked is not None:
         kind = "accelerate hooks (offloaded or dispatched weights)" if "_hf_hook" in vars(
             model.get_submodule(hooked)) else "forward hooks"
@@ -254,18 +257,69 @@ class Aggressive:
         return "iad" if self.drafter is None else "gad"
 
 
-def _unsupported(generation_config, model_kwargs, input_ids) -> str | None:
+def _observes(generation_config) -> bool:
+    """Whether the call returns attentions or hidden states (HF computes them and drops them without a dict)."""
+    return bool(generation_config.return_dict_in_generate
+                and (generation_config.output_attentions or generation_config.output_hidden_states))
+
+
+def _observing_unsupported(generation_config) -> str | None:
+    if not _observes(generation_config):
+        return None
+    if generation_config.get_generation_mode() == GenerationMode.GROUP_BEAM_SEARCH:
+        return "attentions and hidden states of group beam search are not supported"
+    if not generation_config.use_cache:  # HF then reruns the whole sequence each step: its outputs cover it all
+        return "attentions and hidden states with use_cache=False are not supported"
+    if getattr(generation_config, "prefill_chunk_size", None) is not None:  # HF's then are the last chunk's
+        return "attentions and hidden states with prefill_chunk_size are not supported"
+    if not isinstance(generation_config.output_hidden_states, (bool, type(None))):
+        return f"selecting hidden states (output_hidden_states={generation_config.output_hidden_states!r}) is " \
+               f"not supported"
+    return None
+
+
+def _attention_windows(cache, layers: int) -> tuple[int, ...] | str:
+    """Per layer, the keys HF's cache hands attention (see ``Observed.windows``), or why lightgen cannot tell:
+    a static cache's weights span its whole length, other layers hold other states."""
+    self_cache = getattr(cache, "self_attention_cache", cache)
+    cache_layers = getattr(self_cache, "layers", None)
+    if cache_layers == [] and getattr(self_cache, "layer_class_to_replicate", None) is DynamicLayer:
+        return (0,) * layers  # a DynamicCache() without a config makes its layers on first use
+    if cache_layers is None or len(cache_layers) != layers:
+        return f"attentions with a {type(cache).__name__} cache are not supported"
+    windows = []
+    for layer in cache_layers:
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):
+            return f"attentions with {type(layer).__name__} cache layers are not supported"
+        windows.append(getattr(layer, "sliding_window", 0))
+    return tuple(windows)
+
+
+def _unknown_inputs(model, model_kwargs) -> str | None:
+    known = _KNOWN_MODEL_KWARGS
+    if getattr(model, DECODER_ATTR).spec.token_type_embedding is not None:
+        known = known | {"token_type_ids"}
+    unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in known)
+    return f"model inputs {unknown} are not supported" if unknown else None
+
+
+def _unsupported(model, generation_config, model_kwargs, input_ids) -> str | None:
     mode = generation_config.get_generation_mode()
     if mode not in SUPPORTED_MODES:
         return f"generation mode '{mode.value}' is not supported"
-    for flag in ("output_attentions", "output_hidden_states", "low_memory"):
-        if getattr(generation_config, flag, False):
-            return f"'{flag}=True' is not supported"
+    if getattr(generation_config, "low_memory", False):
+        return "'low_memory=True' is not supported"
     if generation_config.cache_implementation in HF_ONLY_CACHE_IMPLEMENTATIONS:
         return f"cache_implementation='{generation_config.cache_implementation}' is not supported"
-    unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _KNOWN_MODEL_KWARGS)
-    if unknown:
-        return f"model inputs {unknown} are not supported"
+    unknown = _unknown_inputs(model, model_kwargs)
+    if unknown is not None:
+        return unknown
+    if mode == GenerationMode.GROUP_BEAM_SEARCH and (_prompt_embeds(model, model_kwargs) is not None
+                                                     or model_kwargs.get("token_type_ids") is not None):
+        return "group beam search from inputs_embeds or token_type_ids is not supported"
+    reason = _observing_unsupported(generation_config)
+    if reason is not None:
+        return reason
     decoder_mask = model_kwargs.get("decoder_attention_mask")
     if decoder_mask is not None and decoder_mask.shape != input_ids.shape:
         return f"a decoder_attention_mask of shape {tuple(decoder_mask.shape)} for decoder inputs of shape " \
@@ -280,7 +334,7 @@ def _unsupported(generation_config, model_kwargs, input_ids) -> str | None:
     return None
 
 
-def _aggressive_unsupported(name, generation_config, logits_processor, stopping_criteria, rows, streamer,
+def _aggressive_unsupported(name, model, generation_config, logits_processor, stopping_criteria, rows, streamer,
                             model_kwargs) -> str | None:
     if generation_config.get_generation_mode() != GenerationMode.GREEDY_SEARCH:
         return f"decoding='{name}' is greedy decoding (num_beams=1, do_sample=False)"
@@ -297,7 +351,12 @@ def _aggressive_unsupported(name, generation_config, logits_processor, stopping_
     if generation_config.return_dict_in_generate and (generation_config.output_scores
                                                       or generation_config.output_logits):
         return f"decoding='{name}' does not return scores or logits"
-    return None
+    if _observes(generation_config):
+        return f"decoding='{name}' does not return attentions or hidden states"
+    if model_kwargs.get("token_type_ids") is not None or _prompt_embeds(model, model_kwargs) is not None:
+        return f"decoding='{name}' runs a prompt of tokens without token types (not inputs_embeds or " \
+               f"token_type_ids)"
+    return _unknown_inputs(model, model_kwargs)
 
 
 def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, inputs_tensor=None,
@@ -307,13 +366,21 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
     if streamer is not None and generation_config.num_beams > 1:  # HF's refusal, word for word
         raise ValueError("`streamer` cannot be used with beam search (yet!). Make sure that `num_beams` is set to 1.")
     if aggressive is not None:
-        reason = _aggressive_unsupported(aggressive.name, generation_config, logits_processor, stopping_criteria,
-                                         input_ids.shape[0], streamer, model_kwargs)
+        reason = _aggressive_unsupported(aggressive.name, model, generation_config, logits_processor,
+                                         stopping_criteria, input_ids.shape[0], streamer, model_kwargs)
         if reason is None:
             return _aggressive(model, input_ids, inputs_tensor, generation_config, logits_processor, aggressive,
                                streamer, model_kwargs)
         _fall_back(reason, instead=f"lightgen's loop without decoding='{aggressive.name}'")
-    reason = _unsupported(generation_config, model_kwargs, input_ids)
+    decoder = getattr(model, DECODER_ATTR)
+    group_beams = generation_config.get_generation_mode() == GenerationMode.GROUP_BEAM_SEARCH
+    reason = _unsupported(model, generation_config, model_kwargs, input_ids)
+    cache = windows = None
+    if reason is None and not group_beams:
+        cache = _hf_cache(model, generation_config, model_kwargs)
+        if _observes(generation_config) and generation_config.output_attentions:
+            windows = _attention_windows(cache, len(decoder.spec.layers))
+            reason = windows if isinstance(windows, str) else None
     if reason is None:
         logits_processor = _without_vocabulary_scans(logits_processor)
     else:
@@ -329,16 +396,19 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
             model_kwargs["streamer"] = streamer
         return hf_method(model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                          generation_config=generation_config, synced_gpus=False, **model_kwargs)
-    group_beams = generation_config.get_generation_mode() == GenerationMode.GROUP_BEAM_SEARCH
-    cache = None if group_beams else _hf_cache(model, generation_config, model_kwargs)
-    decoder = getattr(model, DECODER_ATTR)
     embedding = decoder.spec.token_embedding
     mask_key = "decoder_attention_mask" if model.config.is_encoder_decoder else "attention_mask"
     past = hf_cache.past_length(cache) if cache is not None else 0
-    # HF feeds the input after the cached positions, or (without a mask of the input's length) all of it again.
-    cached = hf_cache.cached_prompt(past, input_ids, model_kwargs.get(mask_key), generation_config)
-    start = dict(rows=input_ids.shape[0], max_len=generation_config.max_length + past - cached, dtype=embedding.dtype,
-                 device=embedding.device, prompt_mask=model_kwargs.get(mask_key))
+    embeds = _prompt_embeds(model, model_kwargs)
+    # HF feeds the input after the cached positions, or (without a mask of the input's length) all of it again;
+    # a prompt given as embeddings always after them.
+    cached = past if embeds is not None else hf_cache.cached_prompt(past, input_ids, model_kwargs.get(mask_key),
+                                                                     generation_config)
+    # The embeddings stand for the prompt: the tokens HF returns are input_ids (often none) and the new ones.
+    prompt_len = embeds.shape[1] if embeds is not None else input_ids.shape[1]
+    max_len = generation_config.max_length - input_ids.shape[1] + prompt_len + past - cached
+    start = dict(rows=input_ids.shape[0], max_len=max_len, dtype=embedding.dtype, device=embedding.device,
+                 prompt_mask=model_kwargs.get(mask_key))
     if model.config.is_encoder_decoder:
         state = decoder.start(**start, encoder_hidden=model_kwargs["encoder_outputs"][0],
                               encoder_mask=model_kwargs.get("attention_mask"),
@@ -347,6 +417,10 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
         state = decoder.start(**start)
     outputs = _OUTPUTS[model.config.is_encoder_decoder]
     prompt_positions = model_kwargs.get("position_ids")
+    state.prompt_embeds, state.token_types = embeds, model_kwargs.get("token_type_ids")
+    if _observes(generation_config):
+        state.observed = Observed(bool(generation_config.output_attentions),
+                                  bool(generation_config.output_hidden_states), windows or ())
     try:
         if cache is not None:
             hf_cache.load(state, cache)
@@ -362,21 +436,21 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
                                        stopping_criteria, generation_config, outputs[0], streamer, cache is not None)
         if cache is not None:
             hf_cache.store(state, cache, past)
-        return hf_cache.with_cache(result, cache) if generation_config.return_dict_in_generate else result
+        if not generation_config.return_dict_in_generate:
+            return result
+        if state.observed is not None:  # set in HF's field order, before the cache (its last field)
+            fields = state.observed.fields(model.config.is_encoder_decoder, model_kwargs.get("encoder_outputs"))
+            for name, value in fields.items():
+                if value is not None:
+                    result[name] = value
+        return hf_cache.with_cache(result, cache)
     finally:
         state.release()
 
 
-def _first_step(decoder, state, input_ids, prompt_positions):
-    """The prompt pass: the tokens after those a caller's cache holds (all of them without one)."""
-    cached = state.cached_prompt
-    if cached == 0:
-        return decoder.step(state, input_ids, prompt_positions)
-    if cached >= input_ids.shape[1]:
-        raise ValueError(f"lightgen generate: the cache holds {cached} positions and the input has "
-                         f"{input_ids.shape[1]}: continuing needs at least one token after the cached ones")
-    return decoder.step(state, input_ids[:, cached:],
-                        None if prompt_positions is None else prompt_positions[:, cached:])
+def _prompt_embeds(model, model_kwargs):
+    """A decoder-only prompt given as embeddings (``inputs_embeds``), or None (an encoder's were its input)."""
+    return None if model.config.is_encoder_decoder else model_kwargs.get("inputs_embeds")
 
 
 def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_processor, aggressive: Aggressive,
@@ -499,7 +573,7 @@ def _can_drop_finished_rows(state, rows, generation_config, logits_processor, st
     """Greedy rows that finished early stop costing compute, when nothing observes the full batch:
     sampling draws from the RNG per row of the full batch, and scores/logits are reported per row
     (a streamer and a returned cache also see every row: the callers check those)."""
-    return (not generation_config.do_sample and state.expand == 1
+    return (not generation_config.do_sample and state.expand == 1 and state.observed is None
             and not (generation_config.return_dict_in_generate
                      and (generation_config.output_scores or generation_config.output_logits))
             and all(_row_wise(p, rows) for p in [*logits_processor, *stopping_criteria]))
@@ -524,7 +598,7 @@ def _greedy_or_sample(decoder, state, input_ids, prompt_positions, logits_proces
     output = None  # [rows, max_length] once finished rows have been dropped from ``sequences``
     live_rows = None  # which output row each row of ``sequences`` is, after a drop
     unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
-    logits = _first_step(decoder, state, input_ids, prompt_positions)
+    logits = decoder.prefill(state, input_ids, prompt_positions)
     while True:
         if keep_logits:  # before the processors, which may write in place
             raw_logits += (logits.clone(),)
@@ -639,7 +713,7 @@ def _beam_search(model, decoder, state, input_ids, prompt_positions, logits_proc
     # Without processors between them, log_softmax fuses into the R-top-k pass.
     fuse_log_softmax = len(logits_processor) == 0 and not keep_scores
     flat_running_sequences = input_ids
-    logits = _first_step(decoder, state, input_ids, prompt_positions)
+    logits = decoder.prefill(state, input_ids, prompt_positions)
     while True:
         if keep_logits:
             raw_logits += (logits.clone(),)

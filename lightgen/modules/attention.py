@@ -60,8 +60,10 @@ def _eager(module, query, key, value, attention_mask, is_causal, **kwargs):
     query_len, key_len = query.shape[-2], key.shape[-2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if attention_mask is None and query_len > 1 and causal:
-        # sdpa's mask function leaves causal masks to SDPA's is_causal (decided as sdpa does); eager needs one.
-        attention_mask = torch.ones(query_len, key_len, dtype=torch.bool, device=query.device).tril(key_len - query_len)
+        # sdpa's mask function leaves causal masks to SDPA's is_causal (decided as sdpa does); eager needs one,
+        # aligned as is_causal's: top-left. HF skips the mask only where that is right, a static cache's prefill
+        # included (its keys are every slot, the prompt's first): bottom-right, the prompt saw empty slots.
+        attention_mask = torch.ones(query_len, key_len, dtype=torch.bool, device=query.device).tril()
     if attention_mask is not None and attention_mask.dtype == torch.bool:  # sdpa's mask (ours): eager adds it
         attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
             ~attention_mask, torch.finfo(query.dtype).min)

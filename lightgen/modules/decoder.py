@@ -115,6 +115,12 @@ class DecoderSpec:
     lm_head_input_scale: float = 1.0  # T5 with tied embeddings: the LM head reads hidden * d_model**-0.5
     # fairseq's make_positions (M2M100/NLLB): a token equal to this id takes position row ``padding_idx`` (zeros).
     position_padding_idx: int | None = None
+    # GPT-2 adds ``wte(token_type_ids)`` to its input; None: the family takes no token types.
+    token_type_embedding: torch.Tensor | None = None
+    # What HF's forward multiplies a prompt given as embeddings (``inputs_embeds``) by: 1 where the scale lives in
+    # the embedding module's lookup (BART, mBART, Gemma), the decoder's ``embed_scale`` where the forward applies
+    # it after the lookup (Marian, Pegasus).
+    input_embeds_scale: float = 1.0
 
     @property
     def position_limit(self) -> int:
@@ -133,6 +139,32 @@ def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     """[N, T, H*D] -> [N, H, T, D] (a view)."""
     rows, length, width = x.shape
     return x.view(rows, length, heads, width // heads).transpose(1, 2)
+
+
+@dataclasses.dataclass
+class Observed:
+    """What HF's forward returns with ``output_attentions`` / ``output_hidden_states``, collected step by step
+    as HF's generate collects them: a tuple per step, of one tensor per layer."""
+
+    attentions: bool
+    hidden_states: bool
+    # Per layer: HF's cache (a DynamicSlidingWindowLayer) hands attention the last ``window - 1`` cached keys
+    # and the new ones, so its weights cover those keys only; 0: every key (a DynamicLayer).
+    windows: tuple[int, ...]
+    self_attentions: tuple = ()
+    cross_attentions: tuple = ()
+    hidden: tuple = ()
+
+    def fields(self, encoder_decoder: bool, encoder_outputs=None) -> dict:
+        """HF's output fields, in its output classes' order."""
+        attentions = self.self_attentions if self.attentions else None
+        hidden = self.hidden if self.hidden_states else None
+        if not encoder_decoder:
+            return dict(attentions=attentions, hidden_states=hidden)
+        return dict(encoder_attentions=encoder_outputs.get("attentions") if self.attentions else None,
+                    encoder_hidden_states=encoder_outputs.get("hidden_states") if self.hidden_states else None,
+                    decoder_attentions=attentions, cross_attentions=self.cross_attentions if self.attentions else None,
+                    decoder_hidden_states=hidden)
 
 
 class DecodeState:
@@ -154,6 +186,11 @@ class DecodeState:
         self.position_limit = position_limit  # set when steps may run past the position table
         self.cached_prompt = 0  # prompt tokens a caller's cache holds: the first step feeds the rest
         self.position_bias_table = None  # [H, 2 * max_len - 1] with a relative position bias
+        self.prompt_embeds = None  # [N, L, E]: the prompt given as embeddings (``inputs_embeds``), for ``prefill``
+        # [N, L] GPT-2's token_type_ids of the prompt; every later token takes its row's last one (as HF's generate
+        # extends them).
+        self.token_types = None
+        self.observed: Observed | None = None  # set when the caller asked for attentions or hidden states
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Beam search picked ``rows``: rows of the same sentence swap caches, masks and positions."""
@@ -162,6 +199,8 @@ class DecodeState:
             self.key_keep = self.key_keep.index_select(0, rows)
         self.next_position = self.next_position.index_select(0, rows)
         self.lengths = self.lengths.index_select(0, rows)
+        if self.token_types is not None:
+            self.token_types = self.token_types.index_select(0, rows)
 
     def roll_back(self, rejected: torch.Tensor) -> None:
         """Forget each row's last ``rejected[row]`` positions (a moved length, nothing copied)."""
@@ -250,43 +289,73 @@ class Decoder:
             bias = bias.masked_fill(~state.key_keep[:, None, None, :], float("-inf"))
         return bias
 
-    def step(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-             all_positions: bool = False, scored: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill(self, state: DecodeState, input_ids: torch.Tensor, positions: torch.Tensor | None = None):
+        """The prompt pass: the prompt's tokens (or its ``state.prompt_embeds``) after those a caller's cache
+        holds (``state.cached_prompt``; all of them without one), with their token types."""
+        cached, embeds = state.cached_prompt, state.prompt_embeds
+        prompt = embeds if embeds is not None else input_ids
+        if cached and cached >= prompt.shape[1]:
+            raise ValueError(f"lightgen generate: the cache holds {cached} positions and the input has "
+                             f"{prompt.shape[1]}: continuing needs at least one token after the cached ones")
+        length = prompt.shape[1] - cached
+        types = state.token_types[:, -length:] if state.token_types is not None else None
+        if positions is not None:  # HF keeps the last ones, as many as it feeds
+            positions = positions[:, -length:]
+        if embeds is not None:
+            return self.step(state, None, positions, embeds=embeds[:, cached:], token_types=types)
+        return self.step(state, input_ids[:, cached:], positions, token_types=types)
+
+    def step(self, state: DecodeState, tokens: torch.Tensor | None, positions: torch.Tensor | None = None,
+             all_positions: bool = False, scored: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
+             token_types: torch.Tensor | None = None) -> torch.Tensor:
         """Feed ``tokens`` [N, T]; returns float32 logits of the last position [N, V], of every
         position [N, T, V] with ``all_positions`` (to verify a draft in one pass), or of the positions
         ``scored`` [N, T] (bool) marks, [M, V] in row-major order (verification skips the padding after
         short drafts: the LM head is the largest matmul of a pass, a third of it on the demo model).
 
         ``positions`` [N, T] gives position ids (HF's, for padded prompts); by default each row
-        continues from its last position.
+        continues from its last position. ``embeds`` [N, T, E] replaces the tokens' lookup (HF's
+        ``inputs_embeds``; ``tokens`` is then None); ``token_types`` [N, T] (GPT-2's token_type_ids) default
+        to each row's last prompt token type. With ``state.observed`` set, the step also records HF's
+        attentions and hidden states.
         """
         spec, cache = self.spec, state.cache
-        rows, length = tokens.shape
+        rows, length = (tokens if embeds is None else embeds).shape[:2]
+        device = (tokens if embeds is None else embeds).device
         if cache.length + length > cache.max_len:
             raise RuntimeError(f"decoder cache of {cache.max_len} positions is full")
         if positions is None:
-            positions = state.next_position[:, None] + torch.arange(length, device=tokens.device)
+            positions = state.next_position[:, None] + torch.arange(length, device=device)
         if state.position_limit is not None and int(positions.max()) >= state.position_limit:
             raise IndexError(f"position {int(positions.max())} is past the model's {state.position_limit} positions "
                              f"(max_position_embeddings): Hugging Face's forward fails here too")
-        hidden = self._embed(state, tokens, positions)
+        if token_types is None and state.token_types is not None:
+            token_types = state.token_types[:, -1:].expand(rows, length)
+        hidden = self._embed(state, tokens, positions, embeds, token_types)
         self_mask = self._self_attention_mask(state, positions)
         tables = {}  # rotary cos/sin per rotary module, computed once per step
         if spec.embedding_norm is not None:
             hidden = apply_norm(spec.embedding_norm, hidden)
+        observed = state.observed
+        weights = ([], []) if observed is not None and observed.attentions else (None, None)
+        hiddens = [hidden] if observed is not None and observed.hidden_states else None
         for index, layer in enumerate(spec.layers):
             rotary = layer.rotary or spec.rotary
             if rotary is not None and id(rotary) not in tables:
                 tables[id(rotary)] = rotary(hidden, positions)
             attend = functools.partial(self._self_attention, state, index, layer.self_attn,
-                                       rotary=tables.get(id(rotary)), mask=self_mask)
+                                       rotary=tables.get(id(rotary)), mask=self_mask, weights=weights[0])
             sublayers = [(_with_out_norm(attend, layer.self_out_norm), layer.self_norm)]
             if layer.cross_attn is not None:
-                sublayers.append((lambda h, i=index, a=layer.cross_attn: self._cross_attention(state, i, a, h),
-                                  layer.cross_norm))
+                sublayers.append((functools.partial(self._cross_attention, state, index, layer.cross_attn,
+                                                    weights=weights[1]), layer.cross_norm))
             ffn = functools.partial(feed_forward, layer.ffn_owner, spec.block)
             sublayers.append((_with_out_norm(ffn, layer.ffn_out_norm), layer.ffn_norm))
             hidden = run_block(spec.block, hidden, sublayers)
+            if hiddens is not None:
+                hiddens.append(hidden)
+        if observed is not None:
+            self._observe(observed, weights, hiddens)
         cache.length += length
         state.lengths += length
         state.next_position.copy_(positions[:, -1] + 1)
@@ -299,17 +368,52 @@ class Decoder:
             last = last * spec.lm_head_input_scale
         return self._vocabulary_logits(last).float()
 
-    def _embed(self, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _observe(self, observed: Observed, weights, hiddens) -> None:
+        """Record this step's attention weights (over the keys HF's cache layer hands attention) and hidden
+        states (the last one after the final norm, as HF's ``last_hidden_state``)."""
+        self_weights, cross_weights = weights
+        if self_weights is not None:
+            past, end = self_weights[0][1], self_weights[0][2]
+            kept = [probs[..., max(0, past - window + 1) if window else 0:end]
+                    for (probs, _, _), window in zip(self_weights, observed.windows, strict=True)]
+            observed.self_attentions += (tuple(kept),)
+            if cross_weights:
+                observed.cross_attentions += (tuple(cross_weights),)
+        if hiddens is not None:
+            last = hiddens[-1]
+            if self.spec.final_norm is not None:
+                last = apply_norm(self.spec.final_norm, last)
+            if self.spec.project_out is not None:
+                last = apply_linear(self.spec.project_out, last)
+            observed.hidden += ((*hiddens[:-1], last),)
+
+    def _embed(self, state: DecodeState, tokens: torch.Tensor | None, positions: torch.Tensor, embeds=None,
+               token_types=None) -> torch.Tensor:
+        hidden = self._embed_tokens(state, tokens, positions, embeds)
+        if token_types is not None:  # after the positions, as GPT-2 adds them
+            hidden = hidden + ops.embedding(token_types, self.spec.token_type_embedding)
+        return hidden
+
+    def _embed_tokens(self, state: DecodeState, tokens: torch.Tensor | None, positions: torch.Tensor,
+                      embeds=None) -> torch.Tensor:
         spec = self.spec
-        table_positions = self._position_rows(state, tokens, positions) if spec.position_table is not None else None
-        if spec.project_in is not None:  # positions are added after the projection, as HF's OPT does
-            hidden = apply_linear(spec.project_in, ops.embedding(tokens, spec.token_embedding, spec.embed_scale))
-            if spec.position_table is None:
-                return hidden
-            return hidden + ops.embedding(table_positions, spec.position_table)
+        table_positions = None
         if spec.position_table is not None:
+            if embeds is not None and spec.position_padding_idx is not None:
+                raise ValueError("lightgen generate: a prompt given as embeddings has no padding tokens to number "
+                                 "positions around (M2M100's positions skip them)")
+            table_positions = self._position_rows(state, tokens, positions)
+        if embeds is not None:
+            hidden = embeds * spec.input_embeds_scale if spec.input_embeds_scale != 1.0 else embeds
+        elif spec.project_in is not None or table_positions is None:
+            hidden = ops.embedding(tokens, spec.token_embedding, spec.embed_scale)
+        else:
             return ops.embedding(tokens, spec.token_embedding, spec.embed_scale, spec.position_table, table_positions)
-        return ops.embedding(tokens, spec.token_embedding, spec.embed_scale)
+        if spec.project_in is not None:  # positions are added after the projection, as HF's OPT does
+            hidden = apply_linear(spec.project_in, hidden)
+        if table_positions is None:
+            return hidden
+        return hidden + ops.embedding(table_positions, spec.position_table)
 
     def _vocabulary_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head plus the model's extra logits bias (BART's final_logits_bias), the bias fused into the
@@ -328,7 +432,8 @@ class Decoder:
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def _self_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor, rotary=None,
-                        mask=None):
+                        mask=None, weights: list | None = None):
+        """``weights``: a list to append (the attention weights, the cached length, the keys after the step) to."""
         rows, length, _ = h.shape
         query, key, value = attn.project(h)
         if rotary is not None:
@@ -336,13 +441,24 @@ class Decoder:
         keys, values = state.cache.layer(index)
         out = ops.attention(query, keys, values, key, value, state.lengths, mask, attn.score_scale, True,
                             attn.window, attn.softcap)
+        if weights is not None:
+            probs = ops.attention_probs(query, keys, state.lengths + length, mask, attn.score_scale, True,
+                                        attn.window, attn.softcap)
+            weights.append((probs.to(query.dtype), state.cache.length, state.cache.length + length))
         return apply_linear(attn.out, out.view(rows, length, -1))
 
-    def _cross_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor):
+    def _cross_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor,
+                         weights: list | None = None):
         rows, length, _ = h.shape
         sentences, expand = rows // state.expand, state.expand
         # Each sentence's rows (beams) become extra queries over that sentence's encoder K/V.
         query = apply_linear(attn.q, h).view(sentences, expand * length, attn.heads, -1).transpose(1, 2)
-        out = ops.attention(query, state.cross_keys[index], state.cross_values[index], None, None, None,
-                            state.encoder_keep, attn.scaling, False)
+        keys = state.cross_keys[index]
+        out = ops.attention(query, keys, state.cross_values[index], None, None, None, state.encoder_keep,
+                            attn.scaling, False)
+        if weights is not None:  # [sentences, H, expand * T, S] -> per decoder row [rows, H, T, S]
+            probs = ops.attention_probs(query, keys, torch.full((sentences,), keys.shape[2], device=h.device),
+                                        state.encoder_keep, attn.scaling, False)
+            weights.append(probs.to(query.dtype).view(sentences, attn.heads, expand, length, -1).transpose(1, 2)
+                           .reshape(rows, attn.heads, length, -1))
         return apply_linear(attn.out, out.view(rows, length, -1))  # heads x head_dim may differ from the width (T5)

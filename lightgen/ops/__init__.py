@@ -7,7 +7,7 @@ what runs when a kernel could not be built.
 from lightgen.ops import activation, attention as _attention_mod, beam, embedding as _embedding_mod, norm
 from lightgen.ops import linear as _linear_mod
 from lightgen.ops.activation import ACTIVATIONS, bias_act, bias_act_ref, gated_act, gated_act_ref
-from lightgen.ops.attention import attention, attention_ref
+from lightgen.ops.attention import attention, attention_probs, attention_ref
 from lightgen.ops.beam import beam_topk, beam_topk_ref, greedy_tokens, refuses_non_finite
 from lightgen.ops.embedding import embedding, embedding_ref
 from lightgen.ops.linear import linear, linear_grouped, linear_grouped_ref, linear_ref
@@ -39,6 +39,7 @@ __all__ = [
     "bias_act",
     "gated_act",
     "attention",
+    "attention_probs",
     "embedding",
     "linear",
     "linear_grouped",

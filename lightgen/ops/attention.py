@@ -43,11 +43,27 @@ def attention_ref(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, cau
         key_len = torch.full((batch,), max_len, device=q.device)
 
     group = q_heads // kv_heads
+    in_cache = torch.arange(max_len, device=q.device).view(1, -1) < key_len.view(-1, 1)  # [B, Tmax]
+    # Zero unwritten values: 0-probability x uninitialised memory (inf/NaN) would poison the sum.
+    values = v_cache.float().repeat_interleave(group, dim=1).masked_fill(~in_cache[:, None, :, None], 0.0)
+    probs = attention_probs(q, k_cache, key_len, mask, scale, causal, window, softcap)
+    out = torch.matmul(probs, values)  # [B, Hq, Tq, D]
+    return out.transpose(1, 2).contiguous().to(q.dtype)
+
+
+def attention_probs(q, k_cache, key_len, mask, scale, causal, window=0, softcap=0.0):
+    """The weights ``attention`` gives each key, float32 [B, Hq, Tq, Tmax], for caches written up to ``key_len``
+    [B] (int64; the queries are the last Tq of them); the other arguments as ``attention``'s. A query with no
+    visible key gets zeros. The reference computes its output from these; the decoder step returns them for
+    HF's ``output_attentions`` (the kernels return only the output: computing the weights here, and only on
+    the calls that ask, keeps every other call as fast as it was and the weights the reference's, exactly).
+    """
+    _, q_heads, q_len, _ = q.shape
+    max_len = k_cache.shape[2]
+    group = q_heads // k_cache.shape[1]
     key_idx = torch.arange(max_len, device=q.device)
     in_cache = key_idx.view(1, -1) < key_len.view(-1, 1)  # [B, Tmax]: positions past a row's length are unwritten
     keys = k_cache.float().repeat_interleave(group, dim=1)
-    # Zero unwritten values: 0-probability x uninitialised memory (inf/NaN) would poison the sum.
-    values = v_cache.float().repeat_interleave(group, dim=1).masked_fill(~in_cache[:, None, :, None], 0.0)
     scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * scale  # [B, Hq, Tq, Tmax]
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
@@ -70,9 +86,7 @@ def attention_ref(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, cau
     row_max = scores.amax(-1, keepdim=True)
     weights = torch.exp(scores - row_max.clamp_min(torch.finfo(torch.float32).min))
     denom = weights.sum(-1, keepdim=True)
-    probs = torch.where(denom > 0, weights / denom, torch.zeros_like(weights))
-    out = torch.matmul(probs, values)  # [B, Hq, Tq, D]
-    return out.transpose(1, 2).contiguous().to(q.dtype)
+    return torch.where(denom > 0, weights / denom, torch.zeros_like(weights))
 
 
 def _attention_fake(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window=0, softcap=0.0):

@@ -2,6 +2,7 @@
 variants, HF's sliding-window layer choice, and the models that generate off the engine."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -134,37 +135,63 @@ def test_forward_with_autograd_and_attention_weights_match_hf(family):
     torch.testing.assert_close(got[valid], expected[valid], atol=1e-5, rtol=1e-5)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
                   output_attentions=True)
-    with pytest.warns(RuntimeWarning, match="output_attentions"):
+    with warnings.catch_warnings():  # lightgen's engine returns them (no fallback)
+        warnings.filterwarnings("error", message="lightgen generate", category=RuntimeWarning)
         got = model.generate(**kwargs)
     expected = reference.generate(**kwargs)
     assert torch.equal(got.sequences, expected.sequences)
-    for mine, theirs in zip(got.attentions[-1], expected.attentions[-1], strict=True):
+    for mine, theirs in zip(got.attentions[-1], expected.attentions[-1], strict=True):  # a decode step: no padding
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
 
 
 def test_fallbacks_from_the_engine_drop_iad_and_refuse_gad_plus_plus():
-    """An argument only HF's loop runs (here ``output_hidden_states``) used to drop decoding= silently, GAD++
+    """What only HF's loop runs (here a model with a forward hook) used to drop decoding= silently, GAD++
     included, whose tokens are not greedy's."""
     reference = build("llama", seed=4)
     accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
+    accelerated.register_forward_hook(lambda *args: None)
     ids, mask = padded_batch("llama", 2, 6, seed=4)
     kwargs = dict(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=5, do_sample=False)
-    with pytest.warns(RuntimeWarning, match="'output_hidden_states' is not supported.*without lightgen's decoding"):
-        got = accelerated.generate(**kwargs, output_hidden_states=True, decoding="iad")
+    with pytest.warns(RuntimeWarning, match="carries forward hooks.*without lightgen's decoding"):
+        got = accelerated.generate(**kwargs, decoding="iad")
     assert torch.equal(got, reference.generate(**kwargs))
     drafter = build("llama", seed=5)
     with pytest.raises(ValueError, match="GAD\\+\\+"):
-        accelerated.generate(**kwargs, output_hidden_states=True, decoding="gad", drafter=drafter, beta=2)
+        accelerated.generate(**kwargs, decoding="gad", drafter=drafter, beta=2)
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "phi3", "gemma2", "gemma3_text", "opt", "gpt_neox"])
 def test_hf_loop_on_the_patched_layers_matches_hf(family):
-    """HF's own loop (here for output_hidden_states) steps the patched blocks and lightgen's attention through
-    HF's caches, sliding-window layers and soft-capped decode steps included."""
+    """HF's own loop (here for a forward hook on the model, which leaves its blocks patched) steps the patched
+    blocks and lightgen's attention through HF's caches, sliding-window layers and soft-capped decode steps
+    included."""
     reference = build(family, seed=2)
     accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
+    accelerated.register_forward_hook(lambda *args: None)
     ids, mask = padded_batch(family, 3, 12, seed=2)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, num_beams=2)
-    with pytest.warns(RuntimeWarning, match="output_hidden_states"):
-        got = accelerated.generate(**kwargs, output_hidden_states=True)
+    with pytest.warns(RuntimeWarning, match="carries forward hooks"):
+        got = accelerated.generate(**kwargs)
     assert torch.equal(got, reference.generate(**kwargs))
+
+
+def test_opt_projections_with_given_embeddings_and_hidden_states():
+    """OPT-350m's shape: given embeddings are projected in as looked-up ones are; the last hidden state is
+    after project_out (HF's last_hidden_state)."""
+    reference = _variant("opt_post_ln_projected", 3)
+    accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
+    embeds = torch.randn(2, 6, 20, generator=torch.Generator().manual_seed(3))
+    kwargs = dict(inputs_embeds=embeds, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                  output_scores=True, output_hidden_states=True)
+    with warnings.catch_warnings():  # on lightgen's engine (no fallback)
+        warnings.filterwarnings("error", message="lightgen generate", category=RuntimeWarning)
+        got = accelerated.generate(**kwargs)
+    expected = reference.generate(**kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for mine, theirs in zip(got.scores, expected.scores, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+    assert len(got.hidden_states) == len(expected.hidden_states)
+    for mine, theirs in zip(got.hidden_states, expected.hidden_states, strict=True):
+        assert [t.shape for t in mine] == [t.shape for t in theirs]
+        for a, b in zip(mine, theirs, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -1,12 +1,15 @@
 """What chat and serving code passes to generate() runs on lightgen's engine and gives HF's results:
-streamers, caches out and in, decoder masks, use_cache / cache_implementation, prompt lookup."""
+streamers, caches out and in, decoder masks, use_cache / cache_implementation, prompt lookup, attentions and
+hidden states, inputs_embeds, GPT-2's token_type_ids."""
 
 import copy
 import warnings
 
 import pytest
 import torch
-from models import build, padded_batch
+import transformers as tf
+from models import DECODER_ONLY, SEQ2SEQ, VOCAB, build, padded_batch
+from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 import lightgen
@@ -268,3 +271,162 @@ def test_padded_decoder_prompts_with_decoder_attention_mask(num_beams, step_coun
     # The mask matters: without it the padded rows score differently.
     unmasked = reference.generate(**{k: v for k, v in kwargs.items() if k != "decoder_attention_mask"})
     assert not torch.allclose(unmasked.scores[0], expected.scores[0], atol=1e-3)
+
+
+MODES = [dict(do_sample=False), dict(do_sample=True, top_k=10), dict(num_beams=2)]
+MODE_IDS = ["greedy", "sample", "beams"]
+
+
+def _generate_both(reference, accelerated, **kwargs):
+    """(HF's, lightgen's) results of one call, sampling under the same seed."""
+    results = []
+    for model in (reference, accelerated):
+        torch.manual_seed(6)
+        results.append(model.generate(**kwargs))
+    return results
+
+
+def _assert_steps_close(got, expected, prompt_positions=None):
+    """Per step, per layer: HF's shapes and dtypes, values within 1e-4. In the prompt pass of a padded prompt only
+    its real positions (``prompt_positions`` [N, T]) count: HF's eager attention spreads a query that sees no
+    key evenly over all keys, lightgen's gives it zeros (neither means anything)."""
+    assert len(got) == len(expected)
+    for step, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
+        assert len(mine) == len(theirs)
+        for a, b in zip(mine, theirs, strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            if step == 0 and prompt_positions is not None:
+                if a.dim() == 4:  # attention weights [N, H, T, keys]: positions are queries
+                    a, b = a.transpose(1, 2), b.transpose(1, 2)
+                a, b = a[prompt_positions], b[prompt_positions]
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("settings", MODES, ids=MODE_IDS)
+def test_attentions_and_hidden_states_are_hfs(family, settings, step_counter):
+    """Per generated step, per layer, the running rows' (beams' after HF's reorder) weights and hidden states;
+    Qwen2's sliding-window layer over the keys HF's cache keeps."""
+    _check_attentions_and_hidden_states(family, settings)
+    assert step_counter
+
+
+@pytest.mark.parametrize("family", sorted(set(SEQ2SEQ + DECODER_ONLY) - set(FAMILIES)))
+def test_attentions_and_hidden_states_of_every_family(family, step_counter):
+    """T5's position bias, OPT's projections and scaled queries, GPT-NeoX's parallel block, Gemma 2's
+    soft-capped and windowed layers, the seq2seq families' cross-attention."""
+    _check_attentions_and_hidden_states(family, dict(do_sample=False))
+    assert step_counter
+
+
+def _check_attentions_and_hidden_states(family, settings):
+    accelerated, reference = _pair(family, 7)
+    reference.set_attn_implementation("eager")  # HF returns attention weights from eager attention only
+    ids, mask = padded_batch(family, 3, 7, seed=7)
+    expected, got = _generate_both(reference, accelerated, input_ids=ids, attention_mask=mask, max_new_tokens=5,
+                                   return_dict_in_generate=True, output_attentions=True, output_hidden_states=True,
+                                   **settings)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert list(got.keys()) == list(expected.keys())
+    if family in SEQ2SEQ:
+        for name in ("decoder_attentions", "cross_attentions", "decoder_hidden_states"):
+            _assert_steps_close(getattr(got, name), getattr(expected, name))
+        _assert_steps_close([got.encoder_attentions, got.encoder_hidden_states],
+                            [expected.encoder_attentions, expected.encoder_hidden_states])
+    else:
+        real = mask.repeat_interleave(settings.get("num_beams", 1), 0).bool()
+        for name in ("attentions", "hidden_states"):
+            _assert_steps_close(getattr(got, name), getattr(expected, name), real)
+    # HF's encoder pass (or any forward asking for them) leaves HF's output recorders on the modules: the engine
+    # still runs (the no_fallback fixture fails a fallback).
+    accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2)
+
+
+def test_hidden_states_alone_and_attentions_of_other_caches(step_counter):
+    accelerated, reference = _pair("llama", 7)
+    ids, mask = padded_batch("llama", 2, 6, seed=7)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True)
+    expected, got = _generate_both(reference, accelerated, **kwargs, output_hidden_states=True)
+    assert step_counter and got.attentions is None and expected.attentions is None
+    _assert_steps_close(got.hidden_states, expected.hidden_states, mask.bool())
+    reference.set_attn_implementation("eager")
+    # A caller's empty DynamicCache() (chat code), which makes its layers on first use.
+    results = [model.generate(**kwargs, output_attentions=True, past_key_values=DynamicCache())
+               for model in (reference, accelerated)]
+    _assert_steps_close(results[1].attentions, results[0].attentions, mask.bool())
+    # HF's static cache hands attention all its slots: the weights' shapes follow HF's cache, so HF's loop runs.
+    with pytest.warns(RuntimeWarning, match="attentions with StaticLayer cache layers are not supported"):
+        expected, got = _generate_both(reference, accelerated, **kwargs, output_attentions=True,
+                                       cache_implementation="static")
+    assert torch.equal(got.sequences, expected.sequences)
+    _assert_steps_close(got.attentions, expected.attentions, mask.bool())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("settings", MODES, ids=MODE_IDS)
+def test_inputs_embeds_are_hfs(family, settings, step_counter):
+    """The prompt as embeddings (none of them any token's); decoder-only models also with the prompt's tokens,
+    which HF then returns ahead of the new ones (without them, only the new ones)."""
+    _check_inputs_embeds(family, settings)
+    assert step_counter
+
+
+@pytest.mark.parametrize("family", sorted(set(DECODER_ONLY) - set(FAMILIES)))
+def test_inputs_embeds_of_every_decoder_only_family(family, step_counter):
+    """OPT projects given embeddings in; Gemma's scale lives in its embedding's lookup, not on given ones."""
+    _check_inputs_embeds(family, dict(do_sample=False))
+    assert step_counter
+
+
+def _check_inputs_embeds(family, settings):
+    accelerated, reference = _pair(family, 8)
+    ids, mask = padded_batch(family, 3, 7, seed=8)
+    with torch.no_grad():
+        embeds = reference.get_input_embeddings()(ids)
+    embeds = embeds + 0.05 * torch.randn(embeds.shape, generator=torch.Generator().manual_seed(8))
+    calls = [dict(inputs_embeds=embeds)] + ([dict(inputs_embeds=embeds, input_ids=ids)] if family != "bart" else [])
+    for call in calls:
+        expected, got = _generate_both(reference, accelerated, **call, attention_mask=mask, max_new_tokens=5,
+                                       return_dict_in_generate=True, output_scores=True, **settings)
+        assert torch.equal(got.sequences, expected.sequences)
+        for mine, theirs in zip(got.scores, expected.scores, strict=True):  # tokens alone can miss a scale
+            torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config_class, model_class",
+                         [(tf.BartConfig, tf.BartForCausalLM), (tf.MarianConfig, tf.MarianForCausalLM)],
+                         ids=["bart", "marian"])
+def test_given_embeddings_are_scaled_where_hf_scales_them(config_class, model_class, step_counter):
+    """Both scale their own lookup by sqrt(d_model); Marian's forward also scales embeddings it is given,
+    BART's (whose scale lives in the embedding module) does not."""
+    torch.manual_seed(5)
+    config = config_class(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, decoder_attention_heads=4,
+                          decoder_ffn_dim=48, max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
+                          eos_token_id=2, decoder_start_token_id=2, is_decoder=True, is_encoder_decoder=False,
+                          scale_embedding=True)
+    reference = model_class(config).eval()
+    accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
+    embeds = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(5))
+    # Scores, not only tokens: the tiny models' tokens hardly depend on the scale (BART normalizes the embeddings).
+    expected, got = _generate_both(reference, accelerated, inputs_embeds=embeds, max_new_tokens=6, do_sample=False,
+                                   return_dict_in_generate=True, output_scores=True)
+    assert step_counter and torch.equal(got.sequences, expected.sequences)
+    for mine, theirs in zip(got.scores, expected.scores, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("settings", MODES, ids=MODE_IDS)
+def test_gpt2_token_type_ids_are_hfs(settings, step_counter):
+    """GPT-2 adds wte(token_type_ids) to its input; new tokens take each row's last type, as HF extends them."""
+    accelerated, reference = _pair("gpt2", 9)
+    ids, mask = padded_batch("gpt2", 3, 7, seed=9)
+    types = torch.randint(0, 5, ids.shape, generator=torch.Generator().manual_seed(9))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, return_dict_in_generate=True,
+                  output_scores=True, **settings)
+    expected, got = _generate_both(reference, accelerated, **kwargs, token_type_ids=types)
+    assert step_counter
+    assert torch.equal(got.sequences, expected.sequences)
+    for mine, theirs in zip(got.scores, expected.scores, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+    untyped = reference.generate(**kwargs)
+    assert not torch.allclose(untyped.scores[0], expected.scores[0], atol=1e-3)  # the types matter

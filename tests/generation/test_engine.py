@@ -91,28 +91,31 @@ def test_seeded_sampling_identical_to_hf(family, settings):
 
 
 def test_unsupported_argument_falls_back_with_a_warning(monkeypatch):
+    from transformers import GenerationMixin
+
     accelerated, reference = _pair("bart", 6)
     ids, mask = padded_batch("bart", 1, 6, seed=6)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, return_dict_in_generate=True)
-    with pytest.warns(RuntimeWarning, match="argument 'output_hidden_states' is not supported"):
-        got = accelerated.generate(**kwargs, output_hidden_states=True)
-    expected = reference.generate(**kwargs, output_hidden_states=True)
-    assert torch.equal(got.sequences, expected.sequences) and got.decoder_hidden_states
-    gpt2, gpt2_reference = _pair("gpt2", 6)
-    embeds = gpt2_reference.transformer.wte(ids)  # tensors too, not only flags
-    with pytest.warns(RuntimeWarning, match="argument 'inputs_embeds'"):
-        got = gpt2.generate(inputs_embeds=embeds, max_new_tokens=5)
-    assert torch.equal(got, gpt2_reference.generate(inputs_embeds=embeds, max_new_tokens=5))
+    # A caller's own decoding loop is HF's to call (here HF's own sampling loop).
+    with pytest.warns(RuntimeWarning, match="argument 'custom_generate' is not supported"):
+        got = accelerated.generate(**kwargs, custom_generate=GenerationMixin._sample)
+    assert torch.equal(got.sequences, reference.generate(**kwargs).sequences)
+    embeds = reference.get_decoder().embed_tokens(torch.full((1, 1), 2))  # tensors too, not only flags
+    messages = []
+    for model in (reference, accelerated):  # HF's loop passes decoder_input_ids too, which its decoder refuses
+        with pytest.raises(ValueError) as refused:
+            model.generate(**kwargs, decoder_inputs_embeds=embeds)
+        messages.append(str(refused.value))
+    assert messages[0] == messages[1]
     monkeypatch.setenv("LIGHTGEN_STRICT", "1")
     with pytest.raises(ValueError, match="LIGHTGEN_STRICT=1"):
-        accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, output_attentions=True,
-                             return_dict_in_generate=True)
+        accelerated.generate(**kwargs, custom_generate=GenerationMixin._sample)
 
 
 @pytest.mark.parametrize("family", ["bart", "gpt2"])
 def test_hf_cache_is_built_only_when_hf_loop_runs(family, monkeypatch):
     """lightgen's loop skips HF's cache object (it never reads it); a fall back inside the engine (here
-    output_attentions, refused after HF's front half) builds it and returns HF's own result."""
+    output_attentions of a static cache, refused after HF's front half) builds it and returns HF's own result."""
     from transformers import GenerationMixin
 
     built = []
@@ -126,7 +129,8 @@ def test_hf_cache_is_built_only_when_hf_loop_runs(family, monkeypatch):
     assert len(built) == 1  # the reference's
     config = copy.deepcopy(reference.generation_config)  # in a config, it reaches the engine's own check
     config.output_attentions = config.return_dict_in_generate = True
-    with pytest.warns(RuntimeWarning, match="'output_attentions=True' is not supported"):
+    config.cache_implementation = "static"
+    with pytest.warns(RuntimeWarning, match="attentions with StaticLayer cache layers are not supported"):
         got = accelerated.generate(**kwargs, generation_config=config)
     expected = reference.generate(**kwargs, generation_config=config)
     assert len(built) == 3 and (got.get("cache") or got.get("past_key_values")) is not None  # 5.24 renamed the field
