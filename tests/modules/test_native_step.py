@@ -35,7 +35,7 @@ def _scenario(decoder, native: bool, ids, mask):
     rows = ids.shape[0]
     state = decoder.start(rows, ids.shape[1] + 12, torch.float32, "cpu", prompt_mask=mask)
     for layer in (*state.cache.keys, *state.cache.values):
-        layer.fill_(float("nan"))  # pooled buffers hold the other run's values: a slot neither wrote differs
+        layer.fill_(float("nan"))  # pooled buffers hold the other run's values: a slot one run missed differs
     try:
         logits = [decoder.step(state, ids, (mask.cumsum(-1) - 1).clamp_min(0))]
         for _ in range(3):
@@ -46,8 +46,9 @@ def _scenario(decoder, native: bool, ids, mask):
         logits.append(decoder.step(state, draft, all_positions=True))
         state.roll_back(torch.arange(rows) % 3)
         logits.append(decoder.step(state, draft[:, :1]))
-        filled = state.cache.length
-        caches = [layer[:rows, :, :filled].clone() for layer in (*state.cache.keys, *state.cache.values)]
+        # Each row's filled positions (after the rollback the rest holds what the spare buffers held).
+        caches = [layer[row, :, :length].clone() for layer in (*state.cache.keys, *state.cache.values)
+                  for row, length in enumerate(state.lengths.tolist())]
         return logits, caches, decoder.native_steps - before
     finally:
         state.release()
