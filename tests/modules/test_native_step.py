@@ -56,7 +56,7 @@ def _scenario(decoder, native: bool, ids, mask):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("quantize", [None, "int8", "int4", "bf16"])
 def test_native_step_is_bit_identical_to_the_python_step(family, quantize):
     decoder = _decoder(lightgen.accelerate_model(build(family, seed=4), quantize=quantize))
     assert decoder.native_reason is None
