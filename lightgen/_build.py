@@ -58,7 +58,8 @@ class BuildStatus:
     library_path: str | None = None
     ops: tuple[str, ...] = ()
     cuda: BuildStatus | None = None  # the CUDA library's build; None where no GPU is visible
-    # "built" (by this process), "built by another process" (waited for its lock), "loaded from cache"
+    # "built" (by this process), "built by another process" (waited for its lock), "loaded from cache", or
+    # "loaded from cache (built by another compiler)" where no compiler is found now
     source: str = ""
 
 
@@ -120,13 +121,16 @@ def _torch_build() -> str:
 
 
 def _build_name(kind: str, files: list[Path], target: str, flags: dict, compiler: str) -> str:
-    """Cache folder name: a hash of what changes the binary. Not of ``sys.prefix``: two virtualenvs with
-    the same torch build compile the same library, and the marker lets the second load it without ninja."""
+    """Cache folder name: a hash of what changes the binary, then one of the compiler that wrote it. Not of
+    ``sys.prefix``: two virtualenvs with the same torch build compile the same library, and the marker lets
+    the second load it without ninja. The compiler's hash comes last so that a machine whose compiler is
+    gone can still find a build of the same sources (``_build_by_any_compiler``)."""
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    digest.update(json.dumps([target, flags, _torch_build(), compiler], sort_keys=True).encode())
-    return f"lightgen_{kind}_{target.lower()}_{digest.hexdigest()[:12]}"
+    digest.update(json.dumps([target, flags, _torch_build()], sort_keys=True).encode())
+    compiler_digest = hashlib.sha256(compiler.encode()).hexdigest()[:6]
+    return f"lightgen_{kind}_{target.lower()}_{digest.hexdigest()[:12]}_{compiler_digest}"
 
 
 def _cpu_headers() -> list[Path]:
@@ -263,6 +267,65 @@ def cached_library(build_dir: Path, name: str) -> Path | None:
     return None
 
 
+def _build_by_any_compiler(name: str) -> Path | None:
+    """The most recently used finished build of ``name``'s sources, flags and torch by whatever compiler
+    wrote it: where no compiler is found now (an image that dropped it after ``lightgen build``)."""
+    sources_part = name.rsplit("_", 1)[0]
+    found = [library for folder in _cache_root().glob(f"{sources_part}_*")
+             if (library := cached_library(folder, folder.name)) is not None]
+    return max(found, key=lambda library: _marker(library.parent).stat().st_mtime, default=None)
+
+
+def _mark_used(build_dir: Path) -> None:
+    """The marker's mtime is the library's last use, which ``prune_cache`` reads (a read-only cache stays)."""
+    with contextlib.suppress(OSError):
+        os.utime(_marker(build_dir))
+
+
+UNUSED_BUILD_DAYS = 30  # a cached library no process loaded for this long is removed after the next build
+ABANDONED_BUILD_DAYS = 1  # a folder with no finished build (a failed or killed one) is removed after this
+
+
+def prune_cache(keep: Path) -> list[Path]:
+    """Remove cache folders of builds unused for ``UNUSED_BUILD_DAYS`` and abandoned ones, never ``keep`` or a
+    folder whose build lock is held; returns what it removed. Run after a build, so it costs nothing on
+    the common path, and every source change leaves one stale library behind."""
+    now = time.time()
+    removed = []
+    for folder in _cache_root().glob("lightgen_*"):
+        if folder == keep or not folder.is_dir():
+            continue
+        marker = _marker(folder)
+        finished = marker.is_file()
+        age_days = (now - (marker if finished else folder).stat().st_mtime) / 86400
+        if age_days < (UNUSED_BUILD_DAYS if finished else ABANDONED_BUILD_DAYS) or _lock_held(folder):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    if removed:
+        notice(f"lightgen: removed {len(removed)} cached kernel build(s) unused for {UNUSED_BUILD_DAYS} days or "
+               f"never finished, from {_cache_root()}")
+    return removed
+
+
+def _lock_held(build_dir: Path) -> bool:
+    try:
+        import fcntl
+    except ImportError:
+        return True  # cannot tell: keep it
+    path = build_dir / "lightgen.lock"
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def _build_notice(what: str, isa: str, files: list[Path], build_dir: Path, cpu_seconds: float) -> str:
     cores = os.cpu_count() or 1
     seconds = cpu_seconds / min(len(files), cores)
@@ -270,7 +333,8 @@ def _build_notice(what: str, isa: str, files: list[Path], build_dir: Path, cpu_s
         load = os.getloadavg()[0]
     except OSError:
         load = 0.0
-    busy = f"; longer now: the machine is busy (load {load:.1f} on {cores} cores)" if load > cores / 2 else ""
+    # A load below the core count leaves the build a core of its own (1.1 on 2 cores was a quiet machine).
+    busy = f"; longer now: the machine is busy (load {load:.1f} on {cores} cores)" if load >= cores else ""
     return (f"lightgen: compiling the {what} kernels for {isa} ({len(files)} files), about {seconds:.0f} s on "
             f"{cores} idle cores{busy}; once per machine and torch build, cached in {build_dir}")
 
@@ -296,6 +360,7 @@ def _load_cached(status: BuildStatus, library: Path, source: str) -> bool:
     status.build_seconds = time.perf_counter() - started
     status.compiled, status.library_path, status.source = True, str(library), source
     status.log_path = str(library.parent / "build.log")
+    _mark_used(library.parent)
     return True
 
 
@@ -308,7 +373,9 @@ def _compile(status: BuildStatus, name: str, files: list[Path], what: str, why_n
         return  # no compiler or ninja needed for that
     reason = why_not()
     if reason:
-        status.reason = reason
+        library = _build_by_any_compiler(name)
+        if library is None or not _load_cached(status, library, "loaded from cache (built by another compiler)"):
+            status.reason = reason
         return
     build_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     with build_lock(build_dir, what):
@@ -318,6 +385,8 @@ def _compile(status: BuildStatus, name: str, files: list[Path], what: str, why_n
         clear_stale_lock(build_dir)
         notice(_build_notice(what, status.isa, files, build_dir, cpu_seconds))
         _run_build(status, name, files, what, build_dir, flags)
+    if status.compiled:
+        prune_cache(keep=build_dir)
 
 
 def _run_build(status: BuildStatus, name: str, files: list[Path], what: str, build_dir: Path, flags: dict) -> None:

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -277,3 +278,55 @@ def test_the_wheel_ships_the_fairseq_plugin():
     from setuptools import find_packages
 
     assert "lightgen.integrations.lightgen_fairseq" in find_packages(ROOT, include=["lightgen*"])
+
+
+def test_a_machine_whose_compiler_is_gone_loads_the_build_of_the_same_sources(tmp_path):
+    """An image that ran ``lightgen build`` and then dropped g++: the library is found, not a fallback."""
+    build_dir = _cache_with_this_build(tmp_path)
+    (build_dir / "lightgen_build.json").write_text("{}")
+    code = "from lightgen import _build; s = _build.load(); print(s.compiled, s.source, s.library_path)"
+    result = _run(code, CXX="c++-that-is-not-installed", TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"True loaded from cache (built by another compiler) " \
+                                    f"{build_dir / (build_dir.name + '.so')}", result.stderr
+    (build_dir / "lightgen_build.json").unlink()  # an unfinished build is not taken
+    result = _run(code, CXX="c++-that-is-not-installed", TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert result.stdout.split()[0] == "False", result.stdout
+
+
+def test_pruning_removes_unused_and_abandoned_builds_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    day = 86400
+
+    def folder(name: str, finished: bool, age_days: float) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        stamped = path / "lightgen_build.json" if finished else path
+        if finished:
+            stamped.write_text("{}")
+        then = time.time() - age_days * day
+        os.utime(stamped, (then, then))
+        return path
+
+    current = folder("lightgen_cpu_avx2_current", True, 400)
+    recent = folder("lightgen_cpu_avx2_recent", True, _build.UNUSED_BUILD_DAYS - 1)
+    stale = folder("lightgen_cpu_avx2_stale", True, _build.UNUSED_BUILD_DAYS + 1)
+    abandoned = folder("lightgen_cpu_avx2_abandoned", False, 2)
+    building = folder("lightgen_cpu_avx2_building", False, 2)
+    other = folder("not_lightgen", False, 400)
+    with _build.build_lock(building, "C++"):  # a build in progress keeps its folder
+        os.utime(building, (time.time() - 2 * day,) * 2)  # taking the lock touched it
+        removed = _build.prune_cache(keep=current)
+    assert sorted(removed) == sorted([stale, abandoned])
+    assert all(path.exists() for path in (current, recent, building, other))
+    assert not stale.exists() and not abandoned.exists()
+
+
+def test_loading_from_the_cache_marks_the_build_as_used(tmp_path):
+    build_dir = _cache_with_this_build(tmp_path)
+    marker = build_dir / "lightgen_build.json"
+    marker.write_text("{}")
+    os.utime(marker, (0, 0))
+    result = _run("from lightgen import _build; print(_build.load().source)", TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert result.stdout.strip() == "loaded from cache", result.stderr
+    assert time.time() - marker.stat().st_mtime < 3600

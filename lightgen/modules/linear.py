@@ -21,20 +21,26 @@ import torch
 from torch import nn
 
 from lightgen import ops
-from lightgen.ops.linear import pack_panels, quantize_grouped
+from lightgen.ops.linear import dequantize_grouped, pack_panels, quantize_grouped
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantFormat:
     """Group-wise weight-only quantization (``ops.linear_grouped``): one float scale (and, with zero
-    points, one offset) per ``group_size`` consecutive input features of an output column."""
+    points, one offset) per ``group_size`` consecutive input features of an output column. ``zero_points``
+    None: per weight, wherever they cut the rounding error enough to pay for the offsets they add."""
     bits: int
     group_size: int
-    zero_points: bool = False
+    zero_points: bool | None = False
 
 
 # Chosen by benchmarks/quantize_quality.py on SmolLM2-135M and the demo model (README, "Quantization quality").
-FORMATS = {"int8": QuantFormat(8, 32), "int4": QuantFormat(4, 32, zero_points=True)}
+FORMATS = {"int8": QuantFormat(8, 32, zero_points=None), "int4": QuantFormat(4, 32, zero_points=True)}
+# Zero points add a float per group (int8 g32: 12.5% more bytes a step): taken where they at least halve the
+# squared rounding error. On float-trained weights the two errors are close (a group's range is about twice
+# its largest magnitude); weights already on an asymmetric grid (a model dequantized from a Q4_1 file) are
+# kept exactly, and those on a symmetric grid (Q8_0) by the symmetric scales.
+ZERO_POINT_ERROR_RATIO = 0.5
 PRECISIONS = ("int8", "int4", "bf16")
 HEAD_PRECISION = {"int4": "int8"}  # the LM head's precision where it differs from the other linears
 
@@ -50,7 +56,7 @@ class LinearWeights:
     weight: torch.Tensor  # packed panels, or the module's own Parameter ([N, K]; Conv1D: [K, N])
     out_features: int
     scale: torch.Tensor | None = None  # group-wise quantized: [P, G, 64] float32 (ops.linear_grouped)
-    offset: torch.Tensor | None = None  # int4 with zero points: [P, G, 64] float32
+    offset: torch.Tensor | None = None  # with zero points: [P, G, 64] float32
     group_size: int = 0  # > 0: quantized group-wise
     conv1d: bool = False  # the weight is HF Conv1D's own [K, N] Parameter, read transposed in place
     # For a copy: the precision it was made in, and (version, data_ptr) of the Parameter it was made from.
@@ -100,7 +106,13 @@ def packed_weights(weight: torch.Tensor, precision: str | None, fmt: QuantFormat
     if precision == "bf16":
         return LinearWeights(pack_panels(weight.to(torch.bfloat16)), weight.shape[0], precision=precision)
     fmt = fmt or FORMATS[precision]
-    packed, scale, offset = quantize_grouped(weight, fmt.bits, fmt.group_size, fmt.zero_points)
+    if fmt.zero_points is not None:
+        packed, scale, offset = quantize_grouped(weight, fmt.bits, fmt.group_size, fmt.zero_points)
+    else:
+        symmetric, zero_point = (quantize_grouped(weight, fmt.bits, fmt.group_size, zp) for zp in (False, True))
+        errors = [(dequantize_grouped(*q, fmt.group_size, weight.shape[1], weight.shape[0]) - weight).square().sum()
+                  for q in (symmetric, zero_point)]
+        packed, scale, offset = zero_point if errors[1] <= ZERO_POINT_ERROR_RATIO * errors[0] else symmetric
     return LinearWeights(packed, weight.shape[0], scale, offset, fmt.group_size, precision=precision)
 
 

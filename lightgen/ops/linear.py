@@ -28,8 +28,8 @@ def linear_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, o
     """``act(x @ W.T + bias)`` for ``x`` [..., K] float32, W quantized group-wise by ``quantize_grouped``:
     int8 panels [P, K, 64], or int4 as uint8 panels [P, ceil(K / 2), 64] (k = 2p in the low nibble of byte
     row p, 2p + 1 in the high one); ``scale`` / ``offset`` [P, ceil(K / group_size), 64] per group of
-    ``group_size`` consecutive k of a column: int8 w = q * scale, int4 w = u * scale + offset (u in 0..15;
-    ``offset`` None: symmetric, offset = -8 * scale).
+    ``group_size`` consecutive k of a column: int8 w = q * scale (+ offset, with zero points), int4
+    w = u * scale + offset (u in 0..15; ``offset`` None: symmetric, offset = -8 * scale).
     """
     return _build.op("linear_grouped")(x, weight, scale, offset, bias, act, out_features, group_size)
 
@@ -38,9 +38,11 @@ def quantize_grouped(weight: torch.Tensor, bits: int, group_size: int, zero_poin
     """W [N, K] float -> (packed weight, scale, offset or None) for ``linear_grouped``.
 
     int8: symmetric, scale = max |w| / 127 per group. int4 symmetric (Q4_0's rule): the value of largest
-    magnitude maps to -8, so 16 levels are used; with ``zero_points`` (Q4_1's rule): min -> 0, max -> 15.
+    magnitude maps to -8, so 16 levels are used. With ``zero_points`` (Q4_1's rule) each group's min maps to
+    the lowest level and its max to the highest (15; int8: 255, stored as u - 128 with the shift folded into
+    the offset, so the kernel reads int8 either way).
     """
-    if bits not in (4, 8) or (bits == 8 and zero_points) or group_size < 1 or (bits == 4 and group_size % 2):
+    if bits not in (4, 8) or group_size < 1 or (bits == 4 and group_size % 2):
         raise ValueError(f"quantize_grouped: unsupported bits={bits}, group_size={group_size}, "
                          f"zero_points={zero_points}")
     weight = weight.detach().float()
@@ -51,17 +53,21 @@ def quantize_grouped(weight: torch.Tensor, bits: int, group_size: int, zero_poin
     blocks = padded.view(out_features, groups, span)
     tiny = torch.finfo(torch.float32).tiny
     offset = None
-    if bits == 8:
-        scale = blocks.abs().amax(dim=2).clamp_min(tiny) / 127.0
-        q = torch.round(blocks / scale[..., None]).clamp_(-127, 127).to(torch.int8)
-    elif zero_points:
+    if zero_points:
         # Padding zeros outside the weight must not widen the last group's range.
         valid = (torch.arange(groups * span) < in_features).view(groups, span)
         low = torch.where(valid, blocks, torch.inf).amin(dim=2)
         high = torch.where(valid, blocks, -torch.inf).amax(dim=2)
-        scale = ((high - low) / 15.0).clamp_min(tiny)
-        offset = low
-        q = torch.round((blocks - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+        levels = (1 << bits) - 1
+        scale = ((high - low) / levels).clamp_min(tiny)
+        u = torch.round((blocks - low[..., None]) / scale[..., None]).clamp_(0, levels)
+        if bits == 8:
+            q, offset = (u - 128).to(torch.int8), low + 128 * scale
+        else:
+            q, offset = u.to(torch.uint8), low
+    elif bits == 8:
+        scale = blocks.abs().amax(dim=2).clamp_min(tiny) / 127.0
+        q = torch.round(blocks / scale[..., None]).clamp_(-127, 127).to(torch.int8)
     else:
         extreme = blocks.gather(2, blocks.abs().argmax(dim=2, keepdim=True))[..., 0]
         scale = torch.where(extreme == 0, tiny, extreme / -8.0)
@@ -86,9 +92,9 @@ def dequantize_grouped(weight, scale, offset, group_size, in_features, out_featu
         span = min(group_size, in_features)
         return unpack_panels(per_group, out_features).repeat_interleave(span, dim=1)[:, :in_features]
 
-    if weight.dtype == torch.int8:
-        return q * per_weight(scale)
-    return q * per_weight(scale) + (per_weight(offset) if offset is not None else -8.0 * per_weight(scale))
+    if offset is not None:
+        return q * per_weight(scale) + per_weight(offset)
+    return q * per_weight(scale) + (0.0 if weight.dtype == torch.int8 else -8.0 * per_weight(scale))
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -289,7 +289,7 @@ void linear_rows_packed(const float* x, int64_t m, int64_t k_len, const W* w, in
 // Group-wise quantized panels (the Q8_0 / Q4_0 / Q4_1 idea in the panel layout): every group_size
 // consecutive k of a column share one float scale, so an outlier only coarsens its own group.
 // Weights are widened and scaled in registers once per k row, for all rows of the tile:
-//   int8:          w = q * scale[g]                      (q int8, symmetric)
+//   int8:          w = q * scale[g] (+ offset[g])         (q int8; no offset: symmetric)
 //   int4 (nibbles): w = u * scale[g] + offset[g]          (u in 0..15; no offset: symmetric, offset = -8 scale)
 // int4 stores k = 2p in the low and k = 2p + 1 in the high nibble of byte row p; group_size is even.
 template <int64_t rows, bool nibbles>
@@ -303,14 +303,19 @@ inline void grouped_tile(const float* x, int64_t ld_x, const void* w_in, int64_t
     V d[kPanelVecs], o[kPanelVecs];
     for (int64_t v = 0; v < kPanelVecs; ++v) {
       d[v] = Lanes::load(scale + g * kPanel + v * Lanes::size);
-      if constexpr (nibbles)
-        o[v] = offset ? Lanes::load(offset + g * kPanel + v * Lanes::size) : Lanes::mul(d[v], Lanes::broadcast(-8.f));
+      if (offset)
+        o[v] = Lanes::load(offset + g * kPanel + v * Lanes::size);
+      else if constexpr (nibbles)
+        o[v] = Lanes::mul(d[v], Lanes::broadcast(-8.f));
     }
     if constexpr (!nibbles) {
       const int8_t* w = static_cast<const int8_t*>(w_in);
       for (int64_t k = k0; k < k1; ++k) {
         V wv[kPanelVecs];
-        for (int64_t v = 0; v < kPanelVecs; ++v) wv[v] = Lanes::mul(Lanes::load(w + k * kPanel + v * Lanes::size), d[v]);
+        for (int64_t v = 0; v < kPanelVecs; ++v) {
+          const V q = Lanes::load(w + k * kPanel + v * Lanes::size);
+          wv[v] = offset ? Lanes::fma(q, d[v], o[v]) : Lanes::mul(q, d[v]);
+        }
         for (int64_t i = 0; i < rows; ++i) {
           V xv = Lanes::broadcast(x[i * ld_x + k]);
           for (int64_t v = 0; v < kPanelVecs; ++v) acc[i][v] = Lanes::fma(xv, wv[v], acc[i][v]);
@@ -456,7 +461,7 @@ Tensor linear(const Tensor& x_in, const Tensor& weight_in, const c10::optional<T
 
 // x: [..., K] float32. weight: group-wise quantized panels, int8 [P, K, 64] or int4 as uint8 [P, ceil(K / 2), 64]
 // (two k per byte), P = ceil(out_features / 64). scale: float32 [P, G, 64], G = ceil(K / group_size).
-// offset: float32 [P, G, 64] (int4 with zero points) or None. bias: [out_features] float32.
+// offset: float32 [P, G, 64] (with zero points) or None. bias: [out_features] float32.
 Tensor linear_grouped(const Tensor& x_in, const Tensor& weight, const Tensor& scale,
                       const c10::optional<Tensor>& offset, const c10::optional<Tensor>& bias,
                       c10::string_view act_name, int64_t out_features, int64_t group_size) {

@@ -51,7 +51,7 @@ struct PanelWeights {  // packed [P, K, 64] (panel_stride K * 64, ld_w 64) or Co
   }
 };
 
-// Group-wise quantized panels (the CPU op's format): int8 [P, K, 64] w = q * scale, or int4 as uint8
+// Group-wise quantized panels (the CPU op's format): int8 [P, K, 64] w = q * scale (+ offset), or int4 as uint8
 // [P, ceil(K / 2), 64] (k = 2j low nibble, 2j + 1 high) w = u * scale + offset (none: -8 * scale).
 template <bool nibbles>
 struct GroupedWeights {
@@ -63,7 +63,8 @@ struct GroupedWeights {
     const int64_t g = (p * groups + k / group_size) * kPanel + col;
     const float d = scale[g];
     if constexpr (!nibbles) {
-      return static_cast<float>(static_cast<const int8_t*>(w)[(p * panel_k + k) * kPanel + col]) * d;
+      const float q = static_cast<float>(static_cast<const int8_t*>(w)[(p * panel_k + k) * kPanel + col]);
+      return offset ? fmaf(q, d, offset[g]) : q * d;
     } else {
       const uint8_t b = static_cast<const uint8_t*>(w)[(p * panel_k + k / 2) * kPanel + col];
       return static_cast<float>((k & 1) ? (b >> 4) : (b & 15)) * d + (offset ? offset[g] : -8.f * d);

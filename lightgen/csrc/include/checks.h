@@ -53,7 +53,6 @@ inline GroupedLinear check_grouped_linear(const char* op, const at::Tensor& x, c
               weight.size(0) * panel, "], got ", out_features);
   TORCH_CHECK(group_size >= 1 && (!nibbles || group_size % 2 == 0), op, ": group_size must be ",
               nibbles ? "even and " : "", "positive, got ", group_size);
-  TORCH_CHECK(!offset.has_value() || nibbles, op, ": 'offset' (zero points) is for int4 weights only");
   const int64_t groups = (k_len + group_size - 1) / group_size;
   GroupedLinear out{nibbles, k_len, panel_k, groups, x.contiguous(), weight.contiguous(), {}, {}, {}};
   const std::vector<int64_t> per_group{weight.size(0), groups, panel}, per_column{out_features};
