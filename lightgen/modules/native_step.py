@@ -2,18 +2,18 @@
 
 Python's ``Decoder.step`` (decoder.py) stays the specification and runs everything around the layers (embedding,
 rotary angles once per step, cache bookkeeping, final norm, LM head). Its layer loop dispatches ~15 ops per layer
-from Python, each a few microseconds of interpreter and dispatcher: on a 30-layer model (SmolLM2-135M) a third of
+from Python, each a few microseconds of interpreter and dispatcher: on a 30-layer model (SmolLM2-135M) a quarter of
 a batch-1 step. For the shape most decoder-only LLMs share (pre-RMSNorm blocks, rotate-half rotary, grouped-query
 self-attention on the static cache, a gated FFN: Llama, Mistral, Qwen2, Qwen3) the C++ step runs the same kernels
 in the same order on the same inputs, so its output is bit-identical, and the layers' tensors are gathered once per
 request (``plan``), not looked up per op. Other shapes, and steps a kernel would not take (non-float32, or more
 rows than the fp32 kernels run: long prompts), keep the Python loop; the result is the same either way.
 
-Measured (benchmarks/decode_step.py --quick, SmolLM2-135M fp32, 2 threads, AVX-512, a busy machine: others used 24%
-of the CPUs; README "Decoder step"), ms a step at batch 1 / 8: Python step 22.1 / 28.4, native 16.7 / 23.8 (the
-bandwidth floor: 15.9), the Python step's layers under torch.compile (inductor, one graph per layer; 20 s to compile)
-40.3 / 46.2 and not bit-identical (inductor's cos/sin of the rotary angles and its fused rotation round otherwise
-than eager HF). So the native step is kept. The ~960 tensors go over as one list per call: ~40-80 us (busy).
+Measured (benchmarks/decode_step.py, SmolLM2-135M fp32, 2 threads, AVX-512, a quiet machine; README "Decoder
+step"), ms a step at batch 1 / 8: Python step 30.4 / 37.8, native 23.1 / 29.6 (1.32x / 1.28x; the bandwidth floor:
+17.1), the Python step's layers under torch.compile (inductor, one graph per layer, 8-11 s to compile) 51.6 / 62.9
+and not bit-identical (inductor's cos/sin of the rotary angles and its fused rotation round otherwise than eager
+HF). So the native step is kept. Other runs: 1.17-1.33x. The ~960 tensors go over as one list a call: ~40-80 us.
 """
 
 from __future__ import annotations
