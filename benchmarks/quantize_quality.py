@@ -37,7 +37,7 @@ from lightgen.demo import generate_ids, held_out_pairs, load_demo_model
 from lightgen.modules import linear as linear_module
 from lightgen.modules.linear import QuantFormat
 
-from _common import hardware_title, machine_busy_seconds, start_run, write_results
+from _common import CONTENTION_WARNING, ContentionMeter, format_share, hardware_title, start_run, write_results
 from quality import token_agreement
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -221,14 +221,13 @@ def _row(row: dict) -> str:
 def main(argv=None) -> None:
     args, env = start_run(__doc__, "quantize_quality", "fewer configs, prompts and sentences", argv)
     labels = QUICK_CONFIGS if args.quick else tuple(CONFIGS)
-    busy_before, start = machine_busy_seconds(), time.perf_counter()
+    meter = ContentionMeter()
     print(HEADER)
     rows = measure_smollm2(labels, args.quick) + measure_demo(labels, args.quick)
-    busy = machine_busy_seconds()
-    if busy is not None and busy_before is not None:
-        env["machine_busy_cpus"] = (busy - busy_before) / (time.perf_counter() - start)
+    meter.record(env)
     env["formats"] = {name: vars(fmt) for name, fmt in linear_module.FORMATS.items()}
-    print(f"\nmachine busy: {env.get('machine_busy_cpus', float('nan')):.1f} CPUs on average during the run")
+    print(f"\nother processes used {format_share(env['others_cpu_share'])} of the CPUs during the run "
+          f"(the ms column is unreliable above {CONTENTION_WARNING:.0%})")
     write_results(args.out, "quantize_quality", {"environment": env, "results": rows},
                   lambda plt: chart(plt, env, rows))
 

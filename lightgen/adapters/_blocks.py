@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 from torch import nn
@@ -30,3 +31,20 @@ def patch_scaled_embeddings(model: nn.Module, patcher: Patcher) -> None:
 def first_cache(cache, past_key_values):
     """Layers accept the cache as ``cache`` (5.24 name) or the deprecated ``past_key_values``."""
     return cache if cache is not None else past_key_values
+
+
+def _layer_cache_name() -> str:
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    return "cache" if "cache" in inspect.signature(LlamaAttention.forward).parameters else "past_key_values"
+
+
+# What HF's attention modules call their cache argument: ``cache`` from 5.24, ``past_key_values`` before
+# (every family renamed at once). A cache passed under the other name lands in **kwargs, unused: the layer
+# would attend to this step's keys alone.
+LAYER_CACHE = _layer_cache_name()
+
+
+def cache_argument(cache) -> dict:
+    """``cache`` as a keyword argument of HF's attention modules of the installed release."""
+    return {LAYER_CACHE: cache}

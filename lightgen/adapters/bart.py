@@ -6,7 +6,7 @@ class prefix and positions.
 
 from __future__ import annotations
 
-from lightgen.adapters._blocks import first_cache, patch_matching, patch_scaled_embeddings
+from lightgen.adapters._blocks import cache_argument, first_cache, patch_matching, patch_scaled_embeddings
 from lightgen.adapters.base import Adapter, register_adapter
 from lightgen.modules.block import BlockSpec, activation_for, feed_forward, run_block
 from lightgen.modules.decoder import AttentionWeights, Decoder, DecoderLayerWeights, DecoderSpec
@@ -39,12 +39,12 @@ def patch_bart(model, patcher) -> None:
 
     def decoder_fast(layer, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                      cache=None, use_cache=True, past_key_values=None, **kwargs):
-        cache = first_cache(cache, past_key_values)
-        sublayers = [(lambda h: layer.self_attn(h, cache=cache, attention_mask=attention_mask, **kwargs)[0],
+        cached = cache_argument(first_cache(cache, past_key_values))
+        sublayers = [(lambda h: layer.self_attn(h, **cached, attention_mask=attention_mask, **kwargs)[0],
                       layer.self_attn_layer_norm)]
         if encoder_hidden_states is not None:
             sublayers.append((lambda h: layer.encoder_attn(h, key_value_states=encoder_hidden_states,
-                                                           attention_mask=encoder_attention_mask, cache=cache,
+                                                           attention_mask=encoder_attention_mask, **cached,
                                                            **kwargs)[0],
                               layer.encoder_attn_layer_norm))
         sublayers.append((lambda h: feed_forward(layer, dec_spec, h), layer.final_layer_norm))

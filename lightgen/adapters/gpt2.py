@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightgen.adapters._blocks import first_cache, patch_matching
+from lightgen.adapters._blocks import cache_argument, first_cache, patch_matching
 from lightgen.adapters.base import Adapter, register_adapter
 from lightgen.modules.block import BlockSpec, activation_for, feed_forward, run_block
 from lightgen.modules.decoder import AttentionWeights, Decoder, DecoderLayerWeights, DecoderSpec, NoEngine
@@ -18,11 +18,11 @@ def patch_gpt2(model, patcher) -> None:
 
     def block_fast(block, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None,
                    encoder_attention_mask=None, use_cache=False, past_key_values=None, **kwargs):
-        cache = first_cache(cache, past_key_values)
-        sublayers = [(lambda h: block.attn(h, cache=cache, attention_mask=attention_mask, use_cache=use_cache,
+        cached = cache_argument(first_cache(cache, past_key_values))
+        sublayers = [(lambda h: block.attn(h, **cached, attention_mask=attention_mask, use_cache=use_cache,
                                            **kwargs)[0], block.ln_1)]
         if encoder_hidden_states is not None:
-            sublayers.append((lambda h: block.crossattention(h, cache=cache, attention_mask=attention_mask,
+            sublayers.append((lambda h: block.crossattention(h, **cached, attention_mask=attention_mask,
                                                              encoder_hidden_states=encoder_hidden_states,
                                                              encoder_attention_mask=encoder_attention_mask)[0],
                               block.ln_cross_attn))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from lightgen.adapters._blocks import first_cache, patch_matching
+from lightgen.adapters._blocks import cache_argument, first_cache, patch_matching
 from lightgen.adapters.base import Adapter, register_adapter
 from lightgen.modules.block import BlockSpec, activation_for, feed_forward, run_block
 from lightgen.modules.decoder import AttentionWeights, Decoder, DecoderLayerWeights, DecoderSpec
@@ -29,11 +29,11 @@ def patch_rotary_layers(model, patcher, layer_class: str, spec: BlockSpec, sandw
 
     def layer_fast(layer, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                    position_embeddings=None, past_key_values=None, **kwargs):
-        cache = first_cache(cache, past_key_values)
+        cached = cache_argument(first_cache(cache, past_key_values))
 
         def self_attention(h):
             out = layer.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
-                                  cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
+                                  **cached, use_cache=use_cache, position_embeddings=position_embeddings,
                                   **kwargs)[0]
             return apply_norm(layer.post_attention_layernorm, out) if sandwich else out
 

@@ -3,7 +3,7 @@ scaled before the dot products, and OPT-350m's projections between embedding and
 
 from __future__ import annotations
 
-from lightgen.adapters._blocks import first_cache, patch_matching
+from lightgen.adapters._blocks import cache_argument, first_cache, patch_matching
 from lightgen.adapters.base import Adapter, register_adapter
 from lightgen.modules.block import BlockSpec, activation_for, feed_forward, run_block
 from lightgen.modules.decoder import AttentionWeights, Decoder, DecoderLayerWeights, DecoderSpec
@@ -19,9 +19,9 @@ def patch_opt(model, patcher) -> None:
 
     def layer_fast(layer, hidden_states, attention_mask=None, cache=None, use_cache=False, position_ids=None,
                    past_key_values=None, **kwargs):
-        cache = first_cache(cache, past_key_values)
+        cached = cache_argument(first_cache(cache, past_key_values))
         return run_block(spec, hidden_states, [
-            (lambda h: layer.self_attn(hidden_states=h, cache=cache, position_ids=position_ids,
+            (lambda h: layer.self_attn(hidden_states=h, **cached, position_ids=position_ids,
                                        attention_mask=attention_mask, **kwargs)[0], layer.self_attn_layer_norm),
             (lambda h: feed_forward(layer, spec, h), layer.final_layer_norm),
         ])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightgen.adapters._blocks import first_cache, patch_matching
+from lightgen.adapters._blocks import cache_argument, first_cache, patch_matching
 from lightgen.adapters.base import Adapter, UnsupportedModelError, register_adapter
 from lightgen.modules.block import BlockSpec, activation_for, feed_forward, run_block
 from lightgen.modules.decoder import (
@@ -38,13 +38,13 @@ def patch_t5(model, patcher) -> None:
     def block_fast(block, hidden_states, attention_mask=None, position_bias=None, encoder_hidden_states=None,
                    encoder_attention_mask=None, encoder_decoder_position_bias=None, cache=None, past_key_values=None,
                    **kwargs):
-        cache = first_cache(cache, past_key_values)
+        cached = cache_argument(first_cache(cache, past_key_values))
         # The first block computes the position biases; the stack hands them to the others.
         biases = [position_bias, encoder_decoder_position_bias]
 
         def attend(which, attention, **call):
             def run(h):
-                out, biases[which], _ = attention(h, position_bias=biases[which], cache=cache, **call, **kwargs)
+                out, biases[which], _ = attention(h, position_bias=biases[which], **cached, **call, **kwargs)
                 return out
             return run
 

@@ -66,3 +66,27 @@ def test_smollm2_generates_what_the_unpatched_model_does(smollm2, rows, settings
     assert torch.equal(got, expected), tokenizer.batch_decode(got[:, batch["input_ids"].shape[1]:])
     if rows == 1:  # a real answer, not noise
         assert "Paris" in tokenizer.decode(got[0, batch["input_ids"].shape[1]:])
+
+
+@pytest.mark.slow
+def test_smollm2_int8_holds_the_files_own_grids(smollm2):
+    """The file stores SmolLM2's linears as Q4_1 and its tied head as Q8_0: ``quantize="int8"`` takes zero
+    points where they pay (the Q4_1 weights) and symmetric scales elsewhere (the head), so it keeps the
+    dequantized model to rounding: fp32's greedy tokens, where symmetric int8 everywhere changes them."""
+    from lightgen.modules import linear as linear_module
+    from lightgen.modules.linear import QuantFormat
+
+    tokenizer, reference, _ = smollm2
+    batch = _prompts(tokenizer, CHATS)
+    kwargs = dict(**batch, max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    expected = reference.generate(**kwargs)
+    int8 = lightgen.accelerate_model(copy.deepcopy(reference), quantize="int8")
+    assert torch.equal(int8.generate(**kwargs), expected)
+    del int8
+    saved = linear_module.FORMATS["int8"]
+    linear_module.FORMATS["int8"] = QuantFormat(8, 32, zero_points=False)
+    try:
+        symmetric = lightgen.accelerate_model(copy.deepcopy(reference), quantize="int8")
+    finally:
+        linear_module.FORMATS["int8"] = saved
+    assert not torch.equal(symmetric.generate(**kwargs), expected)

@@ -129,7 +129,7 @@ def test_hf_cache_is_built_only_when_hf_loop_runs(family, monkeypatch):
     with pytest.warns(RuntimeWarning, match="'output_attentions=True' is not supported"):
         got = accelerated.generate(**kwargs, generation_config=config)
     expected = reference.generate(**kwargs, generation_config=config)
-    assert len(built) == 3 and got.cache is not None
+    assert len(built) == 3 and (got.get("cache") or got.get("past_key_values")) is not None  # 5.24 renamed the field
     assert torch.equal(got.sequences, expected.sequences)
     attentions = got.decoder_attentions if family == "bart" else got.attentions
     assert len(attentions) == 5
