@@ -2,6 +2,7 @@
 replaces, bit for bit, and against unpatched HF, token for token, on tiny Llama-shaped models."""
 
 import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 from models import VOCAB, build, padded_batch
 
 import lightgen
+from lightgen.modules import native_step
 from lightgen.modules.decoder import DECODER_ATTR
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # GQA in all; Mistral and Qwen2 with windows shorter than the prompt
@@ -109,12 +111,30 @@ def test_steps_the_kernels_would_not_take_run_in_python():
         assert reason is not None and why in reason, (family, reason)
 
 
+@torch.no_grad()
+def test_the_native_op_names_what_is_wrong_with_its_arguments():
+    decoder = _decoder(lightgen.accelerate_model(build("llama", seed=8)))
+    plan = native_step.plan(decoder.spec)
+    state = decoder.start(2, 6, torch.float32, "cpu")
+    hidden = torch.randn(2, 1, decoder.spec.token_embedding.shape[1])
+    try:
+        with pytest.raises(RuntimeError, match="'weights' must hold 32 tensors per layer"):
+            native_step.run(dataclasses.replace(plan, tensors=plan.tensors[:-1]), state, hidden, None, None)
+        with pytest.raises(RuntimeError, match="the caches decode 2 rows but 'hidden' has 3"):
+            native_step.run(plan, state, torch.randn(3, 1, hidden.shape[-1]), None, None)
+        with pytest.raises(RuntimeError, match="'hidden' must be float32"):
+            native_step.run(plan, state, hidden.double(), None, None)
+    finally:
+        state.release()
+
+
 @pytest.mark.slow
 def test_without_the_extension_the_python_step_runs():
     code = textwrap.dedent("""
         import copy, torch, lightgen
         from models import build, padded_batch
-        from lightgen.modules.decoder import DECODER_ATTR
+        from lightgen.modules import native_step
+from lightgen.modules.decoder import DECODER_ATTR
         model = build("qwen2", seed=7)
         reference = copy.deepcopy(model)
         lightgen.accelerate_model(model)
