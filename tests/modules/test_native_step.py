@@ -133,8 +133,7 @@ def test_without_the_extension_the_python_step_runs():
     code = textwrap.dedent("""
         import copy, torch, lightgen
         from models import build, padded_batch
-        from lightgen.modules import native_step
-from lightgen.modules.decoder import DECODER_ATTR
+        from lightgen.modules.decoder import DECODER_ATTR
         model = build("qwen2", seed=7)
         reference = copy.deepcopy(model)
         lightgen.accelerate_model(model)
