@@ -1,5 +1,7 @@
 // Operator schemas: the single source of truth. The Python fallback in
 // lightgen/_build.py reads the m.def lines below when this library cannot be built.
+// Not here: cpu/decode_step.cpp's decode_layers, the native decoder step, which has no reference of its own
+// (the Python Decoder is its specification and runs instead when this library is not built).
 #include <torch/library.h>
 
 TORCH_LIBRARY(lightgen, m) {

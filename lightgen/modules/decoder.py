@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightgen import ops
+from lightgen.modules import native_step
 from lightgen.modules.block import BlockSpec, feed_forward, run_block
 from lightgen.modules.kv_cache import POOL, StaticKVCache
 from lightgen.modules.linear import apply_linear, kernel_weights
@@ -191,6 +192,7 @@ class DecodeState:
         # extends them).
         self.token_types = None
         self.observed: Observed | None = None  # set when the caller asked for attentions or hidden states
+        self.native_plan = None  # the decoder's native_step.Plan for this request, once a step asked for it
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Beam search picked ``rows``: rows of the same sentence swap caches, masks and positions."""
@@ -228,6 +230,9 @@ class DecodeState:
 class Decoder:
     def __init__(self, spec: DecoderSpec) -> None:
         self.spec = spec
+        # Why the layers of a step cannot run as one native call (modules/native_step.py); None: they can.
+        self.native_reason = native_step.unsupported(spec)
+        self.native_steps = 0  # steps whose layers ran natively
 
     def start(self, rows: int, max_len: int, dtype: torch.dtype, device, *, prompt_mask=None, encoder_hidden=None,
               encoder_mask=None, expand: int = 1, spare_positions: int = 0) -> DecodeState:
@@ -332,11 +337,34 @@ class Decoder:
         if token_types is None and state.token_types is not None:
             token_types = state.token_types[:, -1:].expand(rows, length)
         hidden = self._embed(state, tokens, positions, embeds, token_types)
-        self_mask = self._self_attention_mask(state, positions)
-        tables = {}  # rotary cos/sin per rotary module, computed once per step
         if spec.embedding_norm is not None:
             hidden = apply_norm(spec.embedding_norm, hidden)
+        hidden = self._layers(state, hidden, positions)
+        cache.length += length
+        state.lengths += length
+        state.next_position.copy_(positions[:, -1] + 1)
+        last = hidden[scored] if scored is not None else hidden if all_positions else hidden[:, -1]
+        if spec.final_norm is not None:
+            last = apply_norm(spec.final_norm, last)
+        if spec.project_out is not None:
+            last = apply_linear(spec.project_out, last)
+        if spec.lm_head_input_scale != 1.0:
+            last = last * spec.lm_head_input_scale
+        return self._vocabulary_logits(last).float()
+
+    def _layers(self, state: DecodeState, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Every decoder layer on ``hidden`` [N, T, E], the step's K/V written into the cache: one native call
+        where the spec and the step allow it (the same result; not when attentions or hidden states are
+        recorded), else the loop below, which specifies it."""
+        spec = self.spec
+        self_mask = self._self_attention_mask(state, positions)
         observed = state.observed
+        plan = self._native_plan(state, hidden) if observed is None else None
+        if plan is not None:
+            self.native_steps += 1
+            rotary = spec.rotary(hidden, positions) if spec.rotary is not None else None
+            return native_step.run(plan, state, hidden, rotary, self_mask)
+        tables = {}  # rotary cos/sin per rotary module, computed once per step
         weights = ([], []) if observed is not None and observed.attentions else (None, None)
         hiddens = [hidden] if observed is not None and observed.hidden_states else None
         for index, layer in enumerate(spec.layers):
@@ -356,17 +384,15 @@ class Decoder:
                 hiddens.append(hidden)
         if observed is not None:
             self._observe(observed, weights, hiddens)
-        cache.length += length
-        state.lengths += length
-        state.next_position.copy_(positions[:, -1] + 1)
-        last = hidden[scored] if scored is not None else hidden if all_positions else hidden[:, -1]
-        if spec.final_norm is not None:
-            last = apply_norm(spec.final_norm, last)
-        if spec.project_out is not None:
-            last = apply_linear(spec.project_out, last)
-        if spec.lm_head_input_scale != 1.0:
-            last = last * spec.lm_head_input_scale
-        return self._vocabulary_logits(last).float()
+        return hidden
+
+    def _native_plan(self, state: DecodeState, hidden: torch.Tensor) -> native_step.Plan | None:
+        if self.native_reason is not None:
+            return None
+        if state.native_plan is None:  # once per request: the packed weights are current while it decodes
+            state.native_plan = native_step.plan(self.spec) or False
+        plan = state.native_plan
+        return plan if plan and plan.takes(hidden) else None
 
     def _observe(self, observed: Observed, weights, hiddens) -> None:
         """Record this step's attention weights (over the keys HF's cache layer hands attention) and hidden

@@ -15,6 +15,7 @@ a GPT-2 decode step, where the strided rows miss DRAM pages).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import nn
@@ -66,12 +67,18 @@ class LinearWeights:
     def quantized(self) -> bool:
         return self.weight.dtype != torch.float32
 
+    @property
+    def max_rows(self) -> float:
+        """The most rows of x the kernel runs (more go to ATen), unbounded when quantized (only the kernel can)."""
+        if self.quantized:
+            return math.inf
+        return PACKED_MAX_ROWS if self.source is not None else IN_PLACE_MAX_ROWS
+
     def takes(self, x: torch.Tensor) -> bool:
         """Whether the kernel runs ``x``: float32 on the CPU, and few rows unless quantized."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.device.type != "cpu":
             return False
-        max_rows = PACKED_MAX_ROWS if self.source is not None else IN_PLACE_MAX_ROWS
-        return self.quantized or x.numel() <= max_rows * x.shape[-1]
+        return self.quantized or x.numel() <= self.max_rows * x.shape[-1]
 
     def is_stale(self, weight: torch.Tensor) -> bool:
         """The module's weight changed in place (``load_state_dict``, an optimizer step) or was replaced."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import lightgen
+from lightgen.modules.decoder import DECODER_ATTR
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHATS = [
@@ -58,8 +59,10 @@ def test_smollm2_generates_what_the_unpatched_model_does(smollm2, rows, settings
     torch.manual_seed(0)
     expected = reference.generate(**kwargs)
     torch.manual_seed(0)
+    native_steps = getattr(accelerated, DECODER_ATTR).native_steps
     got = accelerated.generate(**kwargs)
     assert step_counter, "lightgen's decoder step did not run"
+    assert getattr(accelerated, DECODER_ATTR).native_steps > native_steps, "the native decoder step did not run"
     assert torch.equal(got, expected), tokenizer.batch_decode(got[:, batch["input_ids"].shape[1]:])
     if rows == 1:  # a real answer, not noise
         assert "Paris" in tokenizer.decode(got[0, batch["input_ids"].shape[1]:])

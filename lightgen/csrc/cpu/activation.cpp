@@ -1,6 +1,7 @@
 // Bias + activation (the FFN's first matmul runs without its bias) and the gated form act(gate) * up.
 #include <torch/library.h>
 #include "../include/checks.h"
+#include "../include/cpu_ops.h"
 #include "../include/act.h"
 #include "../include/vec_math.h"
 
@@ -80,6 +81,9 @@ void act_rows_for(Act act, const Tensor& x, const float* bias, const Tensor* up,
   }
 }
 
+}  // namespace
+
+// Entry points (cpu_ops.h): the native decode step calls them directly, without the dispatcher.
 // x: [..., C], bias: [C]
 Tensor bias_act(const Tensor& x_in, const c10::optional<Tensor>& bias_in, c10::string_view act_name) {
   constexpr const char* op = "lightgen.bias_act";
@@ -135,7 +139,6 @@ Tensor gated_act(const Tensor& gate_in, const Tensor& up_in, c10::string_view ac
   return out;
 }
 
-}  // namespace
 }  // namespace lightgen
 
 TORCH_LIBRARY_IMPL(lightgen, CPU, m) {

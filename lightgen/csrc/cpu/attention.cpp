@@ -5,6 +5,7 @@
 #include <limits>
 #include "../include/attention_mask.h"
 #include "../include/checks.h"
+#include "../include/cpu_ops.h"
 #include "../include/vec_math.h"
 
 namespace lightgen {
@@ -88,6 +89,9 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
   });
 }
 
+}  // namespace
+
+// Entry points (cpu_ops.h): the native decode step calls them directly, without the dispatcher.
 // q: [B, Hq, Tq, D]; k_cache, v_cache: [B, Hkv, Tmax, D] (mutated when k_new is given);
 // k_new, v_new: [B, Hkv, Tq, D], written at cache_pos[b] + t; cache_pos: int64 [B] (default 0);
 // mask: bool (true = attend) or additive, [B, Tk] or broadcastable to [B, Hq, Tq, Tk] with Tk = Tmax.
@@ -158,7 +162,6 @@ Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::o
   return out;
 }
 
-}  // namespace
 }  // namespace lightgen
 
 TORCH_LIBRARY_IMPL(lightgen, CPU, m) {

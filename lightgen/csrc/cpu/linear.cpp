@@ -12,6 +12,7 @@
 #include <type_traits>
 #include "../include/act.h"
 #include "../include/checks.h"
+#include "../include/cpu_ops.h"
 
 namespace lightgen {
 namespace {
@@ -386,6 +387,9 @@ void dispatch_layout(Layout layout, const float* x, int64_t m, int64_t k_len, co
   linear_rows_packed(x, m, k_len, w, n, scale, bias, act, y);
 }
 
+}  // namespace
+
+// Entry points (cpu_ops.h): the native decode step calls them directly, without the dispatcher.
 // x: [..., K] float32. weight, float32 / bfloat16 / int8 (int8 with a per-output-channel scale [N]):
 //   [N, K] row-major (nn.Linear); float32 [N, K] viewed from a contiguous [K, N] (Conv1D's weight.t());
 //   or packed panels [ceil(N / 64), K, 64] with out_features = N. bias: [N] float32.
@@ -477,7 +481,6 @@ Tensor linear_grouped(const Tensor& x_in, const Tensor& weight, const Tensor& sc
   return y;
 }
 
-}  // namespace
 }  // namespace lightgen
 
 TORCH_LIBRARY_IMPL(lightgen, CPU, m) {

@@ -1,6 +1,7 @@
 // LayerNorm / RMSNorm, optionally fused with the residual add of pre-LN and post-LN blocks.
 #include <torch/library.h>
 #include "../include/checks.h"
+#include "../include/cpu_ops.h"
 #include "../include/vec_math.h"
 
 namespace lightgen {
@@ -104,6 +105,9 @@ std::tuple<Tensor, Tensor> norm_impl(const NormArgs& a, const Tensor& x_in, cons
   return {sum, y};
 }
 
+}  // namespace
+
+// Entry points (cpu_ops.h): the native decode step calls them directly, without the dispatcher.
 // x: [..., C], weight/bias: [C]
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias, double eps) {
   return std::get<1>(norm_impl({"lightgen.layer_norm", false, static_cast<float>(eps)}, x, nullptr, weight, bias));
@@ -123,7 +127,6 @@ std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& residual,
   return norm_impl({"lightgen.add_rms_norm", true, static_cast<float>(eps)}, x, &residual, weight, c10::nullopt);
 }
 
-}  // namespace
 }  // namespace lightgen
 
 TORCH_LIBRARY_IMPL(lightgen, CPU, m) {

@@ -1,0 +1,24 @@
+#pragma once
+// The CPU kernels' entry points (csrc/cpu/*.cpp), for C++ that runs several of them in one call: the native
+// decode step (cpu/decode_step.cpp) calls the very functions the dispatcher registers, without its overhead.
+#include <ATen/ATen.h>
+#include <c10/util/string_view.h>
+#include <tuple>
+
+namespace lightgen {
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                  const c10::optional<at::Tensor>& bias, c10::string_view act, int64_t out_features);
+at::Tensor linear_grouped(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                          const c10::optional<at::Tensor>& offset, const c10::optional<at::Tensor>& bias,
+                          c10::string_view act, int64_t out_features, int64_t group_size);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+at::Tensor gated_act(const at::Tensor& gate, const at::Tensor& up, c10::string_view act);
+at::Tensor attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
+                     const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
+                     const c10::optional<at::Tensor>& cache_pos, const c10::optional<at::Tensor>& mask, double scale,
+                     bool causal, int64_t window, double softcap);
+
+}  // namespace lightgen

@@ -1,0 +1,152 @@
+"""The native decoder step (one C++ call for all layers, lightgen/modules/native_step.py) against the Python step it
+replaces, bit for bit, and against unpatched HF, token for token, on tiny Llama-shaped models."""
+
+import copy
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from models import VOCAB, build, padded_batch
+
+import lightgen
+from lightgen.modules import native_step
+from lightgen.modules.decoder import DECODER_ATTR
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # GQA in all; Mistral and Qwen2 with windows shorter than the prompt
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(os.environ.get("LIGHTGEN_DISABLE_EXT") == "1",
+                                reason="the native step needs the built kernels (its absence: the last test here)")
+
+
+def _decoder(model):
+    return getattr(model, DECODER_ATTR)
+
+
+@torch.no_grad()
+def _scenario(decoder, native: bool, ids, mask):
+    """A left-padded prompt, single-token steps, a beam reorder, a draft verified at all positions, a rollback to
+    ragged lengths and a step on them: every step's logits, the filled caches and how many steps ran natively."""
+    reason, before = decoder.native_reason, decoder.native_steps
+    decoder.native_reason = reason if native else "the test's Python step"
+    rows = ids.shape[0]
+    state = decoder.start(rows, ids.shape[1] + 12, torch.float32, "cpu", prompt_mask=mask)
+    for layer in (*state.cache.keys, *state.cache.values):
+        layer.fill_(float("nan"))  # pooled buffers hold the other run's values: a slot one run missed differs
+    try:
+        logits = [decoder.step(state, ids, (mask.cumsum(-1) - 1).clamp_min(0))]
+        for _ in range(3):
+            logits.append(decoder.step(state, logits[-1].argmax(-1, keepdim=True)))
+        state.reorder(torch.arange(rows).flip(0))
+        logits.append(decoder.step(state, logits[-1].argmax(-1, keepdim=True)))
+        draft = torch.randint(3, VOCAB, (rows, 3), generator=torch.Generator().manual_seed(1))
+        logits.append(decoder.step(state, draft, all_positions=True))
+        state.roll_back(torch.arange(rows) % 3)
+        logits.append(decoder.step(state, draft[:, :1]))
+        # Each row's filled positions (after the rollback the rest holds what the spare buffers held).
+        caches = [layer[row, :, :length].clone() for layer in (*state.cache.keys, *state.cache.values)
+                  for row, length in enumerate(state.lengths.tolist())]
+        return logits, caches, decoder.native_steps - before
+    finally:
+        state.release()
+        decoder.native_reason = reason
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("quantize", [None, "int8", "int4", "bf16"])
+def test_native_step_is_bit_identical_to_the_python_step(family, quantize):
+    decoder = _decoder(lightgen.accelerate_model(build(family, seed=4), quantize=quantize))
+    assert decoder.native_reason is None
+    ids, mask = padded_batch(family, 3, 9, seed=4)
+    assert not mask.all()
+    python_logits, python_caches, python_native = _scenario(decoder, False, ids, mask)
+    native_logits, native_caches, native_steps = _scenario(decoder, True, ids, mask)
+    assert (python_native, native_steps) == (0, len(native_logits))
+    for step, (got, expected) in enumerate(zip(native_logits, python_logits, strict=True)):
+        assert torch.equal(got, expected), f"step {step}: max difference {(got - expected).abs().max()}"
+    for got, expected in zip(native_caches, python_caches, strict=True):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_with_the_native_step_matches_hf(family):
+    model = build(family, seed=5)
+    reference = copy.deepcopy(model)
+    decoder = _decoder(lightgen.accelerate_model(model))
+    ids, mask = padded_batch(family, 3, 9, seed=5)
+    for settings in (dict(), dict(num_beams=3, num_return_sequences=2), dict(decoding="iad")):
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        before = decoder.native_steps
+        got = model.generate(**kwargs, **settings)
+        assert decoder.native_steps > before, settings
+        assert torch.equal(got, reference.generate(**kwargs, **{k: v for k, v in settings.items() if k != "decoding"}))
+
+
+@torch.no_grad()
+def test_steps_the_kernels_would_not_take_run_in_python():
+    """More rows than the fp32 kernels run (a long prompt: ATen's GEMM runs the Python step's projections) and
+    models the kernels do not run at all (bf16 weights: ATen) keep the Python loop; so do other block shapes."""
+    decoder = _decoder(lightgen.accelerate_model(build("llama", seed=6)))
+    ids, mask = padded_batch("llama", 3, 90, seed=6)
+    state = decoder.start(3, 92, torch.float32, "cpu", prompt_mask=mask)
+    try:
+        decoder.step(state, ids, (mask.cumsum(-1) - 1).clamp_min(0))
+        assert decoder.native_steps == 0  # 270 rows: more than PACKED_MAX_ROWS
+        decoder.step(state, ids[:, -1:])
+        assert decoder.native_steps == 1
+    finally:
+        state.release()
+    bf16 = lightgen.accelerate_model(build("llama", seed=6, dtype=torch.bfloat16))
+    ids, mask = padded_batch("llama", 2, 5, seed=6)
+    bf16.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert _decoder(bf16).native_reason is None and _decoder(bf16).native_steps == 0
+    for family, why in (("gemma", "RMSNorm"), ("phi3", "gate/up"), ("gpt2", "gated"), ("gemma2", "extra norms"),
+                        ("bart", "pre-norm")):
+        reason = _decoder(lightgen.accelerate_model(build(family))).native_reason
+        assert reason is not None and why in reason, (family, reason)
+
+
+@torch.no_grad()
+def test_the_native_op_names_what_is_wrong_with_its_arguments():
+    decoder = _decoder(lightgen.accelerate_model(build("llama", seed=8)))
+    plan = native_step.plan(decoder.spec)
+    state = decoder.start(2, 6, torch.float32, "cpu")
+    hidden = torch.randn(2, 1, decoder.spec.token_embedding.shape[1])
+    try:
+        with pytest.raises(RuntimeError, match="'weights' must hold 32 tensors per layer"):
+            native_step.run(dataclasses.replace(plan, tensors=plan.tensors[:-1]), state, hidden, None, None)
+        with pytest.raises(RuntimeError, match="the caches decode 2 rows but 'hidden' has 3"):
+            native_step.run(plan, state, torch.randn(3, 1, hidden.shape[-1]), None, None)
+        with pytest.raises(RuntimeError, match="'hidden' must be float32"):
+            native_step.run(plan, state, hidden.double(), None, None)
+    finally:
+        state.release()
+
+
+@pytest.mark.slow
+def test_without_the_extension_the_python_step_runs():
+    code = textwrap.dedent("""
+        import copy, torch, lightgen
+        from models import build, padded_batch
+        from lightgen.modules.decoder import DECODER_ATTR
+        model = build("qwen2", seed=7)
+        reference = copy.deepcopy(model)
+        lightgen.accelerate_model(model)
+        ids, mask = padded_batch("qwen2", 2, 7, seed=7)
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        decoder = getattr(model, DECODER_ATTR)
+        print(torch.equal(model.generate(**kwargs), reference.generate(**kwargs)), decoder.native_steps)
+        print(decoder.native_reason)
+    """)
+    result = subprocess.run([sys.executable, "-W", "ignore::RuntimeWarning", "-c", code], check=False, capture_output=True,
+                            text=True, cwd=ROOT / "tests", timeout=300,
+                            env={**os.environ, "LIGHTGEN_DISABLE_EXT": "1",
+                                 "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert result.returncode == 0, result.stderr[-3000:]
+    same_and_steps, reason = result.stdout.splitlines()[:2]
+    assert same_and_steps == "True 0" and "LIGHTGEN_DISABLE_EXT=1" in reason, result.stdout
