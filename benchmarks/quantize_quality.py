@@ -60,8 +60,8 @@ CONFIGS = {
     "int4 zp g64": ("int4", QuantFormat(4, 64, True)),
     "int4 zp g32": ("int4", QuantFormat(4, 32, True)),
 }
-QUICK_CONFIGS = ("fp32", "bf16", "int8 per channel", "int8 g64", "int8 g32", "int8 zp g32", "int8 g32 auto", "int4 sym g32",
-                 "int4 zp g64", "int4 zp g32")
+QUICK_CONFIGS = ("fp32", "bf16", "int8 per channel", "int8 g64", "int8 g32", "int8 zp g32", "int8 g32 auto",
+                 "int4 sym g32", "int4 zp g64", "int4 zp g32")
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one paragraph.",
     "Give me three tips for learning to program.", "What is 17 times 23?", "Summarize the plot of Hamlet.",

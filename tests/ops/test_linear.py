@@ -191,7 +191,8 @@ def test_opcheck(variant):
                           (torch.randn(3, 32), weight, scale, torch.randn(24), "gelu", 24))
 
 
-@pytest.mark.parametrize("fmt", [QuantFormat(8, 8), QuantFormat(8, 8, True), QuantFormat(4, 8), QuantFormat(4, 8, True)],
+@pytest.mark.parametrize("fmt", [QuantFormat(8, 8), QuantFormat(8, 8, True), QuantFormat(4, 8),
+                                 QuantFormat(4, 8, True)],
                          ids=["int8", "int8-zp", "int4", "int4-zp"])
 def test_opcheck_grouped(fmt):
     packed = packed_weights(torch.randn(24, 33), f"int{fmt.bits}", fmt)
