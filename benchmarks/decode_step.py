@@ -1,13 +1,14 @@
 """Benchmark one decoder step of SmolLM2-135M-Instruct (30 layers, fp32): the Python step, the native step (all
 layers in one C++ call) and the Python step's layers under torch.compile (inductor).
 
-    python benchmarks/decode_step.py [--quick] [--no-compile] [--out benchmarks/results]
+    python benchmarks/decode_step.py [--quick] [--no-compile] [--quantize=int8|int4|bf16] [--out benchmarks/results]
 
 Each provider decodes one token per row on its own state after a 32-token prompt, then rolls the position back,
 so every timed call is the same step; providers are sampled in turn. The logits of the providers are checked
 equal (native vs Python: bit for bit) before timing. ms per step against the bandwidth floor (the bytes of the
 weights a step reads, over the measured read bandwidth). Prints a markdown table and writes
-<out>/decode_step.json (and decode_step.png with matplotlib).
+<out>/decode_step.json (and decode_step.png with matplotlib); with ``--quantize``, the weights of
+``accelerate_model(quantize=...)`` and decode_step_<precision>.json / .png.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def run_batch(decoder, batch: int, sampling: Sampling, compile_step: bool, floor
 
 def markdown(env: dict, rows: list[Row], weights_mb: float, bandwidth: float, notes: list[str]) -> str:
     lines = [
-        "## lightgen decoder step: Python vs native vs torch.compile (SmolLM2-135M-Instruct, fp32)",
+        f"## lightgen decoder step: Python vs native vs torch.compile (SmolLM2-135M-Instruct, {env['precision']})",
         "",
         *machine_lines(env),
         f"- load average before timing: {env['load_before']}; {env['mode']} mode; {env['timing_seconds']:.0f} s "
@@ -143,14 +144,18 @@ def markdown(env: dict, rows: list[Row], weights_mb: float, bandwidth: float, no
 
 
 def main(argv: list[str] | None = None) -> None:
-    compile_step = "--no-compile" not in (argv if argv is not None else sys.argv[1:])
-    argv = [arg for arg in (argv if argv is not None else sys.argv[1:]) if arg != "--no-compile"]
-    args, env = start_run(__doc__, "decode_step", "fewer, shorter samples", argv)
+    argv = list(argv if argv is not None else sys.argv[1:])
+    compile_step = "--no-compile" not in argv
+    quantize = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--quantize=")), None)
+    argv = [arg for arg in argv if arg != "--no-compile" and not arg.startswith("--quantize=")]
+    name = f"decode_step_{quantize}" if quantize else "decode_step"
+    args, env = start_run(__doc__, name, "fewer, shorter samples", argv)
+    env["precision"] = quantize or "fp32"
     missing = smollm2_missing()
     if missing:
         sys.exit(f"SmolLM2 is not available: {missing}")
     sampling = QUICK if args.quick else FULL
-    model = lightgen.accelerate_model(load_smollm2()[0].eval())
+    model = lightgen.accelerate_model(load_smollm2()[0].eval(), quantize=quantize)
     decoder = getattr(model, DECODER_ATTR)
     if decoder.native_reason is not None:
         sys.exit(f"the native step cannot run: {decoder.native_reason}")
@@ -172,9 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     labels = [f"{name}, B={row.batch}" for row in rows for name in row.timings if name != PYTHON]
     speedups = [row.timings[PYTHON].median_us / row.timings[name].median_us for row in rows for name in row.timings
                 if name != PYTHON]
-    write_results(args.out, "decode_step", payload, lambda plt: speedup_chart(
+    write_results(args.out, name, payload, lambda plt: speedup_chart(
         plt, labels, speedups, "speedup vs the Python step (×)",
-        f"SmolLM2-135M decoder step, fp32\n{hardware_title(env)}"))
+        f"SmolLM2-135M decoder step, {env['precision']}\n{hardware_title(env)}"))
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ from importlib import metadata
 from packaging.version import Version
 
 # Adapters follow the layer APIs of these releases; outside them a patched model could compute
-# something else, so importing lightgen refuses instead. Tested: 5.24.0 (all), 5.21.1 (generation + parity;
-# CI runs it in a venv of its own, `.ci/run`); 5.22 and 5.23 not run yet. 5.24 renamed generate's `past_key_values` to `cache` (in
-# model_kwargs and outputs): `generation/hf_cache.py` reads whichever the installed release uses.
+# something else, so importing lightgen refuses instead. Tested: 5.24.0 (all); 5.21.1, 5.22.2, 5.23.0 (generation,
+# parity and family tests; CI runs 5.21.1 in a venv of its own, `.ci/run`). 5.24 renamed `past_key_values` to `cache`
+# (generate's argument, model_kwargs, outputs: `generation/hf_cache.py`; attention modules: `adapters/_blocks.py`).
 TRANSFORMERS_RANGE = ("5.21.0", "5.25.0")  # [min, max)
 TRANSFORMERS_OLDEST_TESTED = "5.21.1"
 

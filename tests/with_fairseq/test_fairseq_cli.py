@@ -44,6 +44,11 @@ def _lines(count: int, seed: int) -> list[str]:
     return [" ".join(f"w{int(i)}" for i in torch.randint(0, fm.WORDS, (n,), generator=gen)) for n in lengths]
 
 
+def _script(name: str) -> str:
+    """fairseq's console script of this interpreter's environment (found without an activated venv too)."""
+    return str(Path(sys.executable).with_name(name))
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A binarized test set and a briefly trained checkpoint, saved the way older fairseq-train saves one."""
@@ -51,7 +56,7 @@ def workdir(tmp_path_factory):
     fm.dictionary().save(str(root / "dict.txt"))
     for side, seed in (("src", 0), ("tgt", 1)):
         (root / f"test.{side}").write_text("\n".join(_lines(23, seed)) + "\n")
-    subprocess.run(["fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt", "--testpref",
+    subprocess.run([_script("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt", "--testpref",
                     str(root / "test"), "--srcdict", str(root / "dict.txt"), "--tgtdict", str(root / "dict.txt"),
                     "--destdir", str(root / "bin"), "--workers", "1"], check=True, capture_output=True)
     args = options.parse_args_and_arch(options.get_training_parser(), [
@@ -196,7 +201,7 @@ def test_train_drafter_for_a_fairseq_checkpoint(workdir, tmp_path):
 
 
 def test_gad_without_a_drafter_is_a_clear_error(workdir):
-    done = subprocess.run(["fairseq-generate", str(workdir / "bin"), "--path", str(workdir / "model.pt"),
+    done = subprocess.run([_script("fairseq-generate"), str(workdir / "bin"), "--path", str(workdir / "model.pt"),
                            "--source-lang", "src", "--target-lang", "tgt", "--lightgen-decoding", "gad", *PLUGIN_FLAGS],
                           capture_output=True, text=True)
     assert done.returncode != 0 and "GAD needs a drafter (--lightgen-drafter DIR" in done.stderr
