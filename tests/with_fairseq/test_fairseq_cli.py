@@ -77,8 +77,8 @@ def workdir(tmp_path_factory):
 def _run(workdir, tool: str, flags: list[str], plugin: bool, stdin: str | None = None, plugin_dir: Path = PLUGIN):
     common = [str(workdir / "bin"), "--path", str(workdir / "model.pt"), "--source-lang", "src",
               "--target-lang", "tgt", *flags]
-    command = ([f"fairseq-{tool}", *common, "--user-dir", str(plugin_dir), "--task", "translation_lightgen"] if plugin
-               else [sys.executable, "-c", VANILLA.format(tool), *common])
+    command = ([_script(f"fairseq-{tool}"), *common, "--user-dir", str(plugin_dir), "--task", "translation_lightgen"]
+               if plugin else [sys.executable, "-c", VANILLA.format(tool), *common])
     done = subprocess.run(command, input=stdin, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.splitlines(), done.stderr
