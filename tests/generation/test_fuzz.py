@@ -243,9 +243,9 @@ def _near_tie_order(got, expected, scores: torch.Tensor, per_sentence: int, got_
                 continue
             left.remove(match)
             order[row] = match
+        sentence_scores = scores[start:start + per_sentence]
         for row, other in zip(unmatched, left, strict=True):  # the rest, rank for rank
-            if got_scores is None or abs(float(got_scores[other] - scores[row])) > NEAR_TIE * max(
-                    1.0, abs(float(scores[row]))):
+            if got_scores is None or not _ties_in(got_scores[other], scores[row], sentence_scores):
                 return None
             order[row], replaced[row] = other, True
         permuted = [row for row in moved if row not in unmatched]
@@ -253,6 +253,16 @@ def _near_tie_order(got, expected, scores: torch.Tensor, per_sentence: int, got_
         if permuted and float(tied.max() - tied.min()) > NEAR_TIE * max(1.0, float(tied.abs().max())):
             return None
     return order, replaced
+
+
+def _ties_in(score, hf_score, hf_sentence_scores) -> bool:
+    """lightgen's hypothesis in place of HF's at a rank: its score ties HF's there, or it is at least as good and
+    ties another hypothesis HF returned for the sentence (a tied sibling HF lost at a beam cut: seen on BART, three
+    hypotheses of the same tokens in other orders within 4e-7, HF keeping two)."""
+    def tie(a, b):
+        return abs(float(a - b)) <= NEAR_TIE * max(1.0, abs(float(b)))
+    return tie(score, hf_score) or (float(score) >= float(hf_score)
+                                    and any(tie(score, other) for other in hf_sentence_scores))
 
 
 def _tied(scores: torch.Tensor, per_sentence: int) -> torch.Tensor:
@@ -458,8 +468,9 @@ def test_fuzz_near_tie_beam_order_is_a_permutation_of_hfs_rows():
 # And (5.22.2, 1 of ~650): GPT-2 beam sampling with top_p 0.9, the nucleus's last token kept on one side only.
 # And (1 of 2125): GPT-NeoX beam 5 returning 4, lightgen's 4th hypothesis another whose score ties HF's 4th
 # (4.8e-7 apart).
+# And (1 of 2451): BART beam 6, lightgen's 3rd a tied sibling of HF's first two that HF lost at a beam cut.
 @pytest.mark.parametrize("seed", [7100115802160, 21697305301247, 33220478300314, 33220478300164, 62340026000652,
-                                  82031753900246])
+                                  82031753900246, 53744575201367])
 def test_fuzz_near_tie_returned_hypotheses_in_another_order(seed):
     run_case(seed)
 
