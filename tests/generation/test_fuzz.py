@@ -259,10 +259,12 @@ def _ties_in(score, hf_score, hf_sentence_scores) -> bool:
     """lightgen's hypothesis in place of HF's at a rank: its score ties HF's there, or it is at least as good and
     ties another hypothesis HF returned for the sentence (a tied sibling HF lost at a beam cut: seen on BART, three
     hypotheses of the same tokens in other orders within 4e-7, HF keeping two)."""
-    def tie(a, b):
-        return abs(float(a - b)) <= NEAR_TIE * max(1.0, abs(float(b)))
-    return tie(score, hf_score) or (float(score) >= float(hf_score)
-                                    and any(tie(score, other) for other in hf_sentence_scores))
+    return _tie(score, hf_score) or (float(score) >= float(hf_score)
+                                     and any(_tie(score, other) for other in hf_sentence_scores))
+
+
+def _tie(score, other) -> bool:
+    return abs(float(score - other)) <= NEAR_TIE * max(1.0, abs(float(other)))
 
 
 def _tied(scores: torch.Tensor, per_sentence: int) -> torch.Tensor:
