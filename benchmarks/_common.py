@@ -195,11 +195,15 @@ def speedup_chart(plt, labels: list[str], speedups: list[float], xlabel: str, ti
     return fig
 
 
-def parse_args(doc: str, stem: str, quick_help: str, argv: list[str] | None) -> argparse.Namespace:
+def parse_args(doc: str, stem: str, quick_help: str, argv: list[str] | None,
+               options: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The options every benchmark takes, plus the script's own (``options`` adds them to the parser)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results",
                         help=f"folder for {stem}.json and {stem}.png")
+    if options is not None:
+        options(parser)
     return parser.parse_args(argv)
 
 
@@ -228,9 +232,10 @@ def write_results(out_dir: Path, stem: str, payload: dict, draw_chart: Callable[
     print(f"wrote {png_path}")
 
 
-def start_run(doc: str, stem: str, quick_help: str, argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
+def start_run(doc: str, stem: str, quick_help: str, argv: list[str] | None,
+              options: Callable[[argparse.ArgumentParser], None] | None = None) -> tuple[argparse.Namespace, dict]:
     """Parse the command line, require compiled kernels, seed, tune malloc; returns (args, environment)."""
-    args = parse_args(doc, stem, quick_help, argv)
+    args = parse_args(doc, stem, quick_help, argv, options)
     status = compiled_kernels()
     torch.manual_seed(0)
     return args, environment(status, args.quick, keep_freed_memory())

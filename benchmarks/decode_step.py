@@ -144,12 +144,14 @@ def markdown(env: dict, rows: list[Row], weights_mb: float, bandwidth: float, no
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(argv if argv is not None else sys.argv[1:])
-    compile_step = "--no-compile" not in argv
-    quantize = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--quantize=")), None)
-    argv = [arg for arg in argv if arg != "--no-compile" and not arg.startswith("--quantize=")]
+    def options(parser):
+        parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile provider")
+        parser.add_argument("--quantize", choices=("int8", "int4", "bf16"),
+                            help="time accelerate_model(quantize=...)'s weight copies (decode_step_<precision>.json)")
+
+    args, env = start_run(__doc__, "decode_step", "fewer, shorter samples", argv, options)
+    compile_step, quantize = not args.no_compile, args.quantize
     name = f"decode_step_{quantize}" if quantize else "decode_step"
-    args, env = start_run(__doc__, name, "fewer, shorter samples", argv)
     env["precision"] = quantize or "fp32"
     missing = smollm2_missing()
     if missing:
