@@ -691,7 +691,8 @@ def memory_bound_table(models: list[ModelReport], results: list[CaseResult]) -> 
 
 def iad_table(models: list[ModelReport]) -> list[str]:
     lines = ["| model | prompts | batch | ms/call hf / lightgen / lightgen-iad / lightgen-iad-measured | "
-             "IAD vs lightgen greedy (measured cost) | lightgen vs HF | IAD vs HF | tokens per IAD pass | = HF greedy |",
+             "IAD vs lightgen greedy (measured cost) | lightgen vs HF | IAD vs HF | tokens per IAD pass | "
+             "= HF greedy |",
              "|---|---|--:|--:|--:|--:|--:|--:|---|"]
     for model in models:
         for case in model.iad:
