@@ -189,8 +189,8 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
 
     ``max_draft``: the most draft tokens per row and pass, or a ``DraftBudget`` that sets it from the
     number of rows still decoding; within it ``DraftPolicy`` drafts less where drafts keep being rejected,
-    down to plain greedy passes, by ``pass_cost`` (default: flat, ``FixedPassCost()``, which keeps drafts
-    whole within the per-row caps; ``measured_cost(decoder)`` measures it on this decoder). Returns the
+    down to plain greedy passes, by ``pass_cost`` (default: ``measured_cost(decoder)``, measured on this decoder
+    across calls; ``FixedPassCost()`` makes every width cost the same and keeps drafts whole). Returns the
     sequences and, per row, the tokens each of its
     decoder passes added (accepted draft tokens + the verifier's own token); a row's pass count is the
     length of its list. The cache needs as many spare positions as the longest draft: padding after short
@@ -205,9 +205,6 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
     lengths = torch.full((rows,), prompt_len, dtype=torch.long, device=device)
     live = torch.arange(rows, device=device)  # batch row of each row still decoding
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
-    # The measured cost line is not the default yet: on a heavily loaded machine its fit came out steep enough to
-    # keep copy-heavy demo rows at one-token drafts (1.3-1.4 tokens per pass instead of > 2). Pass
-    # ``pass_cost=measured_cost(decoder)`` to use it; the flat default keeps drafts whole within the per-row caps.
     policy = DraftPolicy(rows, pass_cost if pass_cost is not None else default_cost(decoder))
     history: list[tuple[torch.Tensor, torch.Tensor]] = []  # per pass: (rows in it, tokens each added)
     if prompt_len == 1:  # a lone start token (encoder-decoder): the first pass already verifies a draft
@@ -259,7 +256,7 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
 
 
 def default_cost(decoder) -> PassCost:
-    return FixedPassCost()
+    return measured_cost(decoder)
 
 
 def _draft_and_verify(decoder, state, drafter, policy: DraftPolicy, sequences, lengths, live, max_length, max_draft,

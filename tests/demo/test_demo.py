@@ -54,7 +54,7 @@ def test_iad_equals_greedy_on_held_out_sentences(models, batch, max_draft):
         assert torch.equal(got, expected), chunk
 
 
-def test_iad_default_draft_shrinks_as_the_batch_grows(models):
+def test_iad_default_draft_shrinks_as_the_batch_grows(models, flat_pass_cost):
     """Without max_draft a pass adds up to 17 tokens to a row at batch 1 and at most 5 while 24 rows decode
     (draft + the verifier's own token)."""
     from lightgen.generation.aggressive import DraftBudget
@@ -70,7 +70,7 @@ def test_iad_default_draft_shrinks_as_the_batch_grows(models):
     assert max(int(row[0]) for row in batched.tokens_per_iteration) <= 5
 
 
-def test_iad_accepts_many_tokens_per_pass(models):
+def test_iad_accepts_many_tokens_per_pass(models, flat_pass_cost):
     """On this copy-heavy task most drafts pass: far fewer decoder passes than tokens."""
     _, accelerated, tokenizer = models
     sources, _ = held_out_pairs(16)
@@ -80,7 +80,7 @@ def test_iad_accepts_many_tokens_per_pass(models):
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_gad_with_the_shipped_drafter_equals_greedy_in_fewer_passes(models, batch):
+def test_gad_with_the_shipped_drafter_equals_greedy_in_fewer_passes(models, batch, flat_pass_cost):
     """GAD (beta=1) returns HF greedy's tokens; the distilled drafter's blocks mostly pass."""
     reference, accelerated, tokenizer = models
     drafter = load_demo_drafter()

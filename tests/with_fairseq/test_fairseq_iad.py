@@ -101,7 +101,7 @@ def trained_drafter(copy_model):
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "default")
 @pytest.mark.parametrize("block_size", [1, 4, 8])
-def test_gad_same_hypotheses_as_greedy(copy_model, trained_drafter, settings, block_size):
+def test_gad_same_hypotheses_as_greedy(copy_model, trained_drafter, settings, block_size, flat_pass_cost):
     sample = _batch(fm.dictionary(), SENTENCES)
     for drafter in (_drafter(block_size), trained_drafter):
         expected, got, gad = _both(copy_model, sample, block_size, drafter=drafter, **settings)
@@ -149,7 +149,7 @@ def test_a_drafter_for_another_model_is_refused():
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "default")
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_copy_model_same_hypotheses_as_greedy(copy_model, settings, block_size):
+def test_copy_model_same_hypotheses_as_greedy(copy_model, settings, block_size, flat_pass_cost):
     sample = _batch(fm.dictionary(), SENTENCES)
     expected, got, iad = _both(copy_model, sample, block_size, **settings)
     assert_same_hypotheses(expected, got)
