@@ -66,13 +66,15 @@ class Provider:
 
     @contextlib.contextmanager
     def _settings(self):
-        """This provider's step for one call: the native one, or the Python one (compiled or not)."""
+        """This provider's step for one call: the native one, or the Python one (compiled or not), without
+        autograd as in generate (with it, patched modules such as the LM head run their original forward)."""
         decoder, reason = self.decoder, self.decoder.native_reason
         decoder.native_reason = reason if self.native else "benchmark: the Python step"
         if self.layers is not None:
             decoder._layers = self.layers  # an instance attribute over the method, for this provider only
         try:
-            yield
+            with torch.inference_mode():
+                yield
         finally:
             decoder.native_reason = reason
             decoder.__dict__.pop("_layers", None)
