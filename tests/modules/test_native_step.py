@@ -58,9 +58,11 @@ def _scenario(decoder, native: bool, ids, mask):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("quantize", [None, "int8", "int4", "bf16"])
-def test_native_step_is_bit_identical_to_the_python_step(family, quantize):
-    decoder = _decoder(lightgen.accelerate_model(build(family, seed=4), quantize=quantize))
+@pytest.mark.parametrize(("quantize", "pack"), [(None, True), ("int8", True), ("int4", True), ("bf16", True),
+                                                (None, False)], ids=["fp32", "int8", "int4", "bf16", "fp32-in-place"])
+def test_native_step_is_bit_identical_to_the_python_step(family, quantize, pack):
+    """Packed weights run each layer's q/k/v and gate/up in one parallel loop (linear_panels); in place, one by one."""
+    decoder = _decoder(lightgen.accelerate_model(build(family, seed=4), quantize=quantize, pack=pack))
     assert decoder.native_reason is None
     ids, mask = padded_batch(family, 3, 9, seed=4)
     assert not mask.all()
@@ -70,6 +72,30 @@ def test_native_step_is_bit_identical_to_the_python_step(family, quantize):
     for step, (got, expected) in enumerate(zip(native_logits, python_logits, strict=True)):
         assert torch.equal(got, expected), f"step {step}: max difference {(got - expected).abs().max()}"
     for got, expected in zip(native_caches, python_caches, strict=True):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_layers_sharing_one_parallel_loop_split_across_threads_as_alone(quantize):
+    """Wide enough that linear_panels' two threads split a layer's panels: fp32 q/k/v (4 + 1 + 1 panels) in the
+    middle of q, gate/up (4 + 4, 8-column tails) between them; int8 / int4 (coarser tasks) between q and k, or not
+    at all. Still the Python step's logits bit for bit."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=1, intermediate_size=200, max_position_embeddings=64)
+    decoder = _decoder(lightgen.accelerate_model(transformers.LlamaForCausalLM(config).eval(), quantize=quantize))
+    ids, mask = padded_batch("llama", 3, 9, seed=5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        python_logits, _, _ = _scenario(decoder, False, ids, mask)
+        native_logits, _, native_steps = _scenario(decoder, True, ids, mask)
+    finally:
+        torch.set_num_threads(threads)
+    assert native_steps == len(native_logits)
+    for got, expected in zip(native_logits, python_logits, strict=True):
         assert torch.equal(got, expected)
 
 

@@ -5,6 +5,8 @@
 // CPU only: the CUDA library does not define it, and its schema is not one of the ops in lightgen_ops.cpp
 // (it has no reference of its own: without this library the Python step runs).
 #include <torch/library.h>
+#include <algorithm>
+#include <vector>
 #include "../include/checks.h"
 #include "../include/cpu_ops.h"
 
@@ -30,7 +32,21 @@ struct Linear {
     if (group_size > 0) return linear_grouped(x, *weight, *scale, offset, bias, "none", out_features, group_size);
     return linear(x, *weight, c10::nullopt, bias, "none", out_features);
   }
+
+  bool in_panels() const { return weight->dim() == 3; }
 };
+
+// Layers of one input, e.g. q, k and v: in one parallel loop where every weight is in panels (the same outputs).
+std::vector<Tensor> run_all(const std::vector<Linear>& layers, const Tensor& x) {
+  if (!std::all_of(layers.begin(), layers.end(), [](const Linear& l) { return l.in_panels(); })) {
+    std::vector<Tensor> outputs;
+    for (const Linear& l : layers) outputs.push_back(l(x));
+    return outputs;
+  }
+  std::vector<PanelLinear> panels;
+  for (const Linear& l : layers) panels.push_back({*l.weight, l.scale, l.offset, l.bias, l.out_features, l.group_size});
+  return linear_panels(x, panels);
+}
 
 // The product rounded to float on its own: HF multiplies and adds in separate ops, and GCC would otherwise
 // contract a * b + c * d into a fused multiply-add (it does by default in C++), which rounds once.
@@ -123,9 +139,10 @@ Tensor decode_layers(const Tensor& hidden_in, const c10::List<c10::optional<Tens
   Tensor normed = rms_norm(hidden_in, norm(0, 0), eps);
   for (int64_t layer = 0; layer < layers; ++layer) {
     // AttentionWeights.project: [N, T, H * D] -> [N, H, T, D] views.
-    Tensor q = projection(layer, 0)(normed).view({N, T, heads, head_dim}).transpose(1, 2);
-    Tensor k = projection(layer, 1)(normed).view({N, T, kv_heads, head_dim}).transpose(1, 2);
-    Tensor v = projection(layer, 2)(normed).view({N, T, kv_heads, head_dim}).transpose(1, 2);
+    const std::vector<Tensor> qkv = run_all({projection(layer, 0), projection(layer, 1), projection(layer, 2)}, normed);
+    Tensor q = qkv[0].view({N, T, heads, head_dim}).transpose(1, 2);
+    Tensor k = qkv[1].view({N, T, kv_heads, head_dim}).transpose(1, 2);
+    Tensor v = qkv[2].view({N, T, kv_heads, head_dim}).transpose(1, 2);
     if (tensor(layer, 2).has_value()) {
       q = rms_norm(q, *tensor(layer, 2), qk_eps);
       k = rms_norm(k, norm(layer, 3), qk_eps);
@@ -140,7 +157,8 @@ Tensor decode_layers(const Tensor& hidden_in, const c10::List<c10::optional<Tens
     Tensor attended = projection(layer, 3)(out.view({N, T, heads * head_dim}));
     std::tie(residual, normed) = add_rms_norm(attended, residual, norm(layer, 1), eps);
     // feed_forward, gated: act(gate(x)) * up(x), then down.
-    Tensor ffn = projection(layer, 6)(gated_act(projection(layer, 4)(normed), projection(layer, 5)(normed), act));
+    const std::vector<Tensor> gate_up = run_all({projection(layer, 4), projection(layer, 5)}, normed);
+    Tensor ffn = projection(layer, 6)(gated_act(gate_up[0], gate_up[1], act));
     if (layer + 1 < layers) {
       std::tie(residual, normed) = add_rms_norm(ffn, residual, norm(layer + 1, 0), eps);
     } else {

@@ -273,16 +273,66 @@ void linear_rows_k_major(const float* x, int64_t m, int64_t k_len, const float* 
   });
 }
 
-// Packed panels [P, K, kPanel] holding n <= P * kPanel columns (the tail padded).
+// One linear layer whose weight is in panels, as run_panels hands them out: packed [P, K, kPanel] float32,
+// bfloat16 or int8 (a per-column scale applied after), or group-wise quantized (grouped_tile, below); n <= P * kPanel
+// columns (the tail padded).
+struct PanelJob {
+  const void* w = nullptr;
+  at::ScalarType type = at::kFloat;
+  bool grouped = false, nibbles = false;  // group-wise int8, or int4 (two k a byte)
+  int64_t n = 0, group_size = 0, groups = 0;
+  const float* scale = nullptr;  // packed: per column, in the epilogue; group-wise: [P, G, kPanel]
+  const float* offset = nullptr;  // group-wise with zero points: [P, G, kPanel]
+  const float* bias = nullptr;
+  Act act = Act::kNone;
+  float* y = nullptr;
+
+  int64_t panels() const { return (n + kPanel - 1) / kPanel; }
+  int64_t panel_k(int64_t k_len) const { return nibbles ? (k_len + 1) / 2 : k_len; }
+  int64_t panel_bytes(int64_t k_len) const {
+    return panel_k(k_len) * kPanel * (grouped ? 1 : static_cast<int64_t>(c10::elementSize(type)));
+  }
+  void run_panel(const float* x, int64_t m, int64_t k_len, int64_t panel) const;
+};
+
 template <typename W>
-void linear_rows_packed(const float* x, int64_t m, int64_t k_len, const W* w, int64_t n, const float* scale,
-                        const float* bias, Act act, float* y) {
-  at::parallel_for(0, (n + kPanel - 1) / kPanel, panel_grain(k_len, sizeof(W)), [&](int64_t begin, int64_t end) {
-    for (int64_t panel = begin; panel < end; ++panel) {
-      const int64_t col = panel * kPanel;
-      panel_columns(x, m, k_len, w + panel * k_len * kPanel, kPanel, std::min(kPanel, n - col), y + col, n);
+void packed_panel(const PanelJob& job, const float* x, int64_t m, int64_t k_len, int64_t panel) {
+  const int64_t col = panel * kPanel;
+  panel_columns(x, m, k_len, static_cast<const W*>(job.w) + panel * k_len * kPanel, kPanel,
+                std::min(kPanel, job.n - col), job.y + col, job.n);
+}
+
+template <bool nibbles>
+void grouped_panel(const PanelJob& job, const float* x, int64_t m, int64_t k_len, int64_t panel);
+
+void PanelJob::run_panel(const float* x, int64_t m, int64_t k_len, int64_t panel) const {
+  if (grouped) return nibbles ? grouped_panel<true>(*this, x, m, k_len, panel)
+                              : grouped_panel<false>(*this, x, m, k_len, panel);
+  switch (type) {
+    case at::kFloat: return packed_panel<float>(*this, x, m, k_len, panel);
+    case at::kBFloat16: return packed_panel<c10::BFloat16>(*this, x, m, k_len, panel);
+    default: return packed_panel<int8_t>(*this, x, m, k_len, panel);
+  }
+}
+
+// The panels of every job (all of one input x [m, K]) in one parallel loop, each thread's run of panels followed
+// by its columns' epilogue. A panel's result does not depend on which thread or call computes it.
+void run_panels(const float* x, int64_t m, int64_t k_len, const PanelJob* jobs, int64_t count) {
+  int64_t total = 0, bytes = 1;
+  for (int64_t j = 0; j < count; ++j) {
+    total += jobs[j].panels();
+    bytes = std::max(bytes, jobs[j].panel_bytes(k_len));
+  }
+  // Tasks of at least ~64 KB of weights, below which OpenMP fork/join costs more than a second thread saves.
+  at::parallel_for(0, total, std::max<int64_t>(1, (64 << 10) / bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t j = 0, first = 0; j < count; first += jobs[j].panels(), ++j) {
+      const PanelJob& job = jobs[j];
+      const int64_t lo = std::max(begin, first) - first, hi = std::min(end, first + job.panels()) - first;
+      if (lo >= hi) continue;
+      for (int64_t panel = lo; panel < hi; ++panel) job.run_panel(x, m, k_len, panel);
+      run_epilogue(job.act, job.y, m, job.n, lo * kPanel, std::min(job.n, hi * kPanel), job.grouped ? nullptr : job.scale,
+                   job.bias);
     }
-    run_epilogue(act, y, m, n, begin * kPanel, std::min(n, end * kPanel), scale, bias);
   });
 }
 
@@ -344,22 +394,15 @@ inline void grouped_tile(const float* x, int64_t ld_x, const void* w_in, int64_t
 
 // Group-wise panels: weight [P, K (int8) or ceil(K / 2) (int4), kPanel], scale / offset [P, G, kPanel].
 template <bool nibbles>
-void linear_rows_grouped(const float* x, int64_t m, int64_t k_len, const void* w, int64_t n, int64_t group_size,
-                         const float* scale, const float* offset, const float* bias, Act act, float* y) {
-  const int64_t panel_k = nibbles ? (k_len + 1) / 2 : k_len, groups = (k_len + group_size - 1) / group_size;
-  at::parallel_for(0, (n + kPanel - 1) / kPanel, panel_grain(panel_k, 1), [&](int64_t begin, int64_t end) {
-    for (int64_t panel = begin; panel < end; ++panel) {
-      const int64_t col = panel * kPanel;
-      const void* wp = static_cast<const int8_t*>(w) + panel * panel_k * kPanel;
-      const float* sp = scale + panel * groups * kPanel;
-      const float* op = offset ? offset + panel * groups * kPanel : nullptr;
-      panel_rows(x, m, k_len, std::min(kPanel, n - col), y + col, n,
-                 [&](auto rows, const float* xi, float* out, int64_t ld_out) {
-                   grouped_tile<decltype(rows)::value, nibbles>(xi, k_len, wp, k_len, group_size, sp, op, out, ld_out);
-                 });
-    }
-    run_epilogue(act, y, m, n, begin * kPanel, std::min(n, end * kPanel), nullptr, bias);
-  });
+void grouped_panel(const PanelJob& job, const float* x, int64_t m, int64_t k_len, int64_t panel) {
+  const int64_t col = panel * kPanel, panel_k = job.panel_k(k_len);
+  const void* wp = static_cast<const int8_t*>(job.w) + panel * panel_k * kPanel;
+  const float* sp = job.scale + panel * job.groups * kPanel;
+  const float* op = job.offset ? job.offset + panel * job.groups * kPanel : nullptr;
+  panel_rows(x, m, k_len, std::min(kPanel, job.n - col), job.y + col, job.n,
+             [&](auto rows, const float* xi, float* out, int64_t ld_out) {
+               grouped_tile<decltype(rows)::value, nibbles>(xi, k_len, wp, k_len, job.group_size, sp, op, out, ld_out);
+             });
 }
 
 template <typename W>
@@ -384,7 +427,31 @@ void dispatch_layout(Layout layout, const float* x, int64_t m, int64_t k_len, co
   if constexpr (std::is_same_v<W, float>) {
     if (layout == Layout::kKMajor) return linear_rows_k_major(x, m, k_len, w, ld_w, n, scale, bias, act, y);
   }
-  linear_rows_packed(x, m, k_len, w, n, scale, bias, act, y);
+  PanelJob job;
+  job.w = w;
+  job.type = c10::CppTypeToScalarType<W>::value;
+  job.n = n;
+  job.scale = scale;
+  job.bias = bias;
+  job.act = act;
+  job.y = y;
+  run_panels(x, m, k_len, &job, 1);
+}
+
+PanelJob grouped_job(const GroupedLinear& g, int64_t out_features, int64_t group_size, Act act, Tensor& y) {
+  PanelJob job;
+  job.w = g.weight.data_ptr();
+  job.grouped = true;
+  job.nibbles = g.nibbles;
+  job.n = out_features;
+  job.group_size = group_size;
+  job.groups = g.groups;
+  job.scale = g.scale.data_ptr<float>();
+  job.offset = g.offset.defined() ? g.offset.data_ptr<float>() : nullptr;
+  job.bias = g.bias.defined() ? g.bias.data_ptr<float>() : nullptr;
+  job.act = act;
+  job.y = y.data_ptr<float>();
+  return job;
 }
 
 }  // namespace
@@ -474,11 +541,57 @@ Tensor linear_grouped(const Tensor& x_in, const Tensor& weight, const Tensor& sc
   Tensor y = at::empty(out_sizes, g.x.options());
   const int64_t m = c10::multiply_integers(g.x.sizes().slice(0, g.x.dim() - 1));
   if (m == 0) return y;
-  auto run = g.nibbles ? &linear_rows_grouped<true> : &linear_rows_grouped<false>;
-  run(g.x.data_ptr<float>(), m, g.k_len, g.weight.data_ptr(), out_features, group_size, g.scale.data_ptr<float>(),
-      g.offset.defined() ? g.offset.data_ptr<float>() : nullptr, g.bias.defined() ? g.bias.data_ptr<float>() : nullptr,
-      act, y.data_ptr<float>());
+  const PanelJob job = grouped_job(g, out_features, group_size, act, y);
+  run_panels(g.x.data_ptr<float>(), m, g.k_len, &job, 1);
   return y;
+}
+
+// Several layers of one input x [..., K] (q/k/v, gate/up) in one parallel loop: one fork/join instead of one each,
+// and the threads share out all the panels at once (SmolLM2's k and v projections have 3 panels each, which two
+// threads split 2:1). Each output equals the layer's own linear / linear_grouped call bit for bit.
+std::vector<Tensor> linear_panels(const Tensor& x_in, const std::vector<PanelLinear>& layers) {
+  constexpr const char* op = "lightgen.linear_panels";
+  LG_CHECK_CPU(op, x_in);
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() >= 1, op, ": 'x' must be float32 [..., K], got ",
+              x_in.scalar_type(), " ", x_in.sizes());
+  const Tensor x = x_in.contiguous();
+  const int64_t k_len = x.size(-1), m = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
+  std::vector<GroupedLinear> kept;  // the contiguous tensors the jobs point into
+  kept.reserve(layers.size());
+  std::vector<PanelJob> jobs;
+  std::vector<Tensor> outputs;
+  for (const PanelLinear& layer : layers) {
+    auto out_sizes = x.sizes().vec();
+    out_sizes.back() = layer.out_features;
+    outputs.push_back(at::empty(out_sizes, x.options()));
+    if (layer.group_size > 0) {
+      TORCH_CHECK(layer.scale.has_value(), op, ": group-wise weights need their 'scale'");
+      kept.push_back(check_grouped_linear(op, x, layer.weight, *layer.scale, layer.offset, layer.bias,
+                                          layer.out_features, layer.group_size, kPanel));
+      jobs.push_back(grouped_job(kept.back(), layer.out_features, layer.group_size, Act::kNone, outputs.back()));
+      continue;
+    }
+    const Tensor& w = layer.weight;
+    TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() == 3 && w.size(1) == k_len && w.size(2) == kPanel &&
+                    (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+                op, ": 'weight' must be contiguous packed float32 or bfloat16 [panels, ", k_len, ", ", kPanel, "], got ",
+                w.scalar_type(), " ", w.sizes());
+    TORCH_CHECK(layer.out_features > (w.size(0) - 1) * kPanel && layer.out_features <= w.size(0) * kPanel, op,
+                ": packed weights need out_features in (", (w.size(0) - 1) * kPanel, ", ", w.size(0) * kPanel,
+                "], got ", layer.out_features);
+    TORCH_CHECK(!layer.bias || (layer.bias->is_contiguous() && layer.bias->scalar_type() == at::kFloat &&
+                                layer.bias->numel() == layer.out_features),
+                op, ": 'bias' must be contiguous float32 [", layer.out_features, "]");
+    PanelJob job;
+    job.w = w.data_ptr();
+    job.type = w.scalar_type();
+    job.n = layer.out_features;
+    job.bias = layer.bias ? layer.bias->data_ptr<float>() : nullptr;
+    job.y = outputs.back().data_ptr<float>();
+    jobs.push_back(job);
+  }
+  if (m > 0) run_panels(x.data_ptr<float>(), m, k_len, jobs.data(), static_cast<int64_t>(jobs.size()));
+  return outputs;
 }
 
 }  // namespace lightgen

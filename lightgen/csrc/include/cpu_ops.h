@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/string_view.h>
 #include <tuple>
+#include <vector>
 
 namespace lightgen {
 
@@ -12,6 +13,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 at::Tensor linear_grouped(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                           const c10::optional<at::Tensor>& offset, const c10::optional<at::Tensor>& bias,
                           c10::string_view act, int64_t out_features, int64_t group_size);
+// A linear layer with its weight in panels: packed float32 / bfloat16 (group_size 0) or group-wise quantized.
+struct PanelLinear {
+  at::Tensor weight;
+  c10::optional<at::Tensor> scale, offset, bias;
+  int64_t out_features = 0, group_size = 0;
+};
+std::vector<at::Tensor> linear_panels(const at::Tensor& x, const std::vector<PanelLinear>& layers);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps);
