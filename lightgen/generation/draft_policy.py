@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import math
 
+import numpy as np
 import torch
 
 # Pseudo-counts of accepted / rejected draft tokens before a row has drafted: p = 2/3 at first.
@@ -46,6 +47,7 @@ class PassCost:
     def __init__(self, window: int = 8, counts: int = 64) -> None:
         self._times: collections.OrderedDict[int, collections.deque] = collections.OrderedDict()
         self._window, self._counts = window, counts
+        self._line: tuple[float, float] | None = None
 
     def observe(self, positions: int, seconds: float) -> None:
         times = self._times.pop(positions, None) or collections.deque(maxlen=self._window)
@@ -53,9 +55,15 @@ class PassCost:
         self._times[positions] = times  # most recently seen last; the oldest count goes first
         if len(self._times) > self._counts:
             self._times.popitem(last=False)
+        self._line = None
 
     def line(self) -> tuple[float, float]:
         """(a, b): seconds of a pass over n positions ~ a + b n, with a > 0 and b >= 0."""
+        if self._line is None:
+            self._line = self._fit()
+        return self._line
+
+    def _fit(self) -> tuple[float, float]:
         if len(self._times) < 2:
             return 1.0, 0.0
         points = [(n, _faster_half_mean(times)) for n, times in self._times.items()]
@@ -66,9 +74,9 @@ class PassCost:
         floor = min(t for _, t in points)
         return max(mean_t - slope * mean_n, 0.1 * floor), slope
 
-    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
         a, b = self.line()
-        return a + b * positions.double()
+        return a + b * positions
 
 
 def _faster_half_mean(times) -> float:
@@ -87,9 +95,6 @@ class FixedPassCost(PassCost):
     def observe(self, positions: int, seconds: float) -> None:
         pass
 
-    def line(self) -> tuple[float, float]:
-        return self._line
-
 
 def measured_cost(decoder) -> PassCost:
     """The pass cost of ``decoder``, kept on it across ``generate`` calls (on the decoder that fairseq's
@@ -102,24 +107,28 @@ def measured_cost(decoder) -> PassCost:
 
 
 class DraftPolicy:
-    """Draft lengths and pass widths for one aggressive-decoding call; rows are the ones still decoding."""
+    """Draft lengths and pass widths for one aggressive-decoding call; rows are the ones still decoding.
+
+    Its arithmetic is on a few dozen numbers a pass, in NumPy: as torch ops on tensors that small it cost
+    0.3-0.5 ms a pass in dispatch alone (two width choices a pass; measured on the demo model at batch 8,
+    where a whole pass takes 1-2 ms)."""
 
     def __init__(self, rows: int, cost: PassCost) -> None:
         self.cost = cost
-        self.accepted = torch.zeros(rows, dtype=torch.float64)  # decayed counts of accepted draft tokens
-        self.rejected = torch.zeros(rows, dtype=torch.float64)  # ... and of rejections
+        self.accepted = np.zeros(rows)  # decayed counts of accepted draft tokens
+        self.rejected = np.zeros(rows)  # ... and of rejections
         self._greedy_passes, self._probe_wait = 0, FIRST_PROBE_WAIT
         self._probing, self._planned = False, 0
 
-    def acceptance(self) -> torch.Tensor:
+    def acceptance(self) -> np.ndarray:
         """[rows] float64: the estimated chance that a row's next draft token is accepted."""
         return (self.accepted + PRIOR_ACCEPTED) / (self.accepted + self.rejected + PRIOR_ACCEPTED + PRIOR_REJECTED)
 
     def plan(self, limits: torch.Tensor) -> torch.Tensor:
         """``limits`` [rows] int64 (the most each row may draft) -> how many tokens to ask the drafter for:
         the worthwhile ones, up to the pass width they would pay for (or a one-token probe)."""
-        worthwhile = torch.floor(math.log(WORTHWHILE) / self.acceptance().log()).clamp(min=0)  # p^i >= WORTHWHILE
-        sizes = torch.minimum(limits.cpu(), worthwhile.long())
+        worthwhile = np.floor(math.log(WORTHWHILE) / np.log(self.acceptance())).clip(min=0)  # p^i >= WORTHWHILE
+        sizes = np.minimum(limits.cpu().numpy(), worthwhile.astype(np.int64))
         self._probing = False
         self._planned = self._best_width(sizes)
         if self._planned > 0:
@@ -128,40 +137,40 @@ class DraftPolicy:
             self._greedy_passes += 1
             if self._greedy_passes >= self._probe_wait:
                 self._greedy_passes, self._probing, self._planned = 0, True, 1
-        return sizes.clamp(max=self._planned)
+        return torch.from_numpy(sizes.clip(max=self._planned))
 
     def width(self, lengths: torch.Tensor) -> int:
         """``lengths`` [rows] int64 (the drafts the drafter gave, at most as planned) -> K, the draft tokens
         per row this pass verifies: drafts shorter than planned may pay for a narrower pass."""
-        lengths = lengths.cpu()
+        lengths = lengths.cpu().numpy()
         if self._probing:
-            return min(self._planned, int(lengths.max()) if lengths.numel() else 0)
+            return min(self._planned, int(lengths.max()) if lengths.size else 0)
         return min(self._planned, self._best_width(lengths))
 
-    def _best_width(self, lengths: torch.Tensor) -> int:
-        longest = int(lengths.max()) if lengths.numel() else 0
+    def _best_width(self, lengths: np.ndarray) -> int:
+        longest = int(lengths.max()) if lengths.size else 0
         if longest == 0:
             return 0
         rows = lengths.shape[0]
-        places = torch.arange(1, longest + 1, dtype=torch.float64)
+        places = np.arange(1, longest + 1)
         expected = (self.acceptance()[:, None] ** places) * (places <= lengths[:, None])
-        tokens = torch.cat([torch.zeros(1, dtype=torch.float64), expected.sum(0).cumsum(0)]) + rows  # K = 0..longest
-        rate = tokens / self.cost(rows * (1 + torch.arange(longest + 1)))
+        tokens = np.concatenate([[0.0], expected.sum(0).cumsum()]) + rows  # K = 0..longest
+        rate = tokens / self.cost(rows * (1 + np.arange(longest + 1)))
         # The widest K as good as the best: flat costs (no evidence yet) keep drafts whole.
-        return int((rate >= rate.max() * (1 - 1e-9)).nonzero().max())
+        return int(np.flatnonzero(rate >= rate.max() * (1 - 1e-9)).max())
 
     def observe(self, offered: torch.Tensor, accepted: torch.Tensor) -> None:
         """Each row verified ``offered`` [rows] draft tokens and kept the first ``accepted`` [rows]."""
-        offered, accepted = offered.cpu().double(), accepted.cpu().double()
+        offered, accepted = offered.cpu().numpy().astype(np.float64), accepted.cpu().numpy().astype(np.float64)
         drafted = offered > 0
-        self.accepted = torch.where(drafted, self.accepted * DECAY + accepted, self.accepted)
-        self.rejected = torch.where(drafted, self.rejected * DECAY + (accepted < offered).double(), self.rejected)
+        self.accepted = np.where(drafted, self.accepted * DECAY + accepted, self.accepted)
+        self.rejected = np.where(drafted, self.rejected * DECAY + (accepted < offered), self.rejected)
         if self._probing:  # a probe that kept nothing: wait longer before the next
             self._probe_wait = (FIRST_PROBE_WAIT if bool((accepted > 0).any())
                                 else min(2 * self._probe_wait, LONGEST_PROBE_WAIT))
 
     def keep(self, slots: torch.Tensor) -> None:
-        slots = slots.cpu()
+        slots = slots.cpu().numpy()
         self.accepted, self.rejected = self.accepted[slots], self.rejected[slots]
 
     def timed(self, positions: int, seconds: float) -> None:
