@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import os
 import random
 import time
@@ -288,27 +289,46 @@ def _without_filter_edge(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> 
     return a.masked_fill(edge, -torch.inf), b.masked_fill(edge, -torch.inf)
 
 
-def _assert_close_scores(mine, theirs, what, beams: int = 1, tolerance: float = 1e-4) -> set[int]:
+def _assert_close_scores(mine, theirs, what, beams: int = 1, tolerance: float = 1e-4, cuts=None) -> set[int]:
     """Per-step scores within fp32 tolerance. In beam search, running beams whose scores tie to the last
     bits may come out in the other order (lightgen's logits are not HF's to the bit), so a step's rows
-    may be a permutation within a sentence; returns those sentences (their beam slots differ from HF's)."""
+    may be a permutation within a sentence; and where two candidates tie at the cut that keeps ``beams``
+    running beams, lightgen may run the other one: from that step on, the sentence's rows are not HF's
+    (``cuts()``: HF's candidates at each step's cut, ``_hf_cuts``). Returns the sentences either happened to
+    (their beam slots differ from HF's)."""
     assert len(mine) == len(theirs), f"{what}: {len(mine)} steps vs {len(theirs)}"
-    swapped = set()
+    swapped, cut = set(), set()
     for step, (a, b) in enumerate(zip(mine, theirs, strict=True)):
         assert a.shape == b.shape, f"{what}[{step}]: shape {tuple(a.shape)} vs {tuple(b.shape)}"
         a, b = _without_filter_edge(a, b, tolerance)
-        if beams > 1 and not _close(a, b, tolerance) and _same_rows_in_some_order(a, b, beams, tolerance):
-            swapped |= {start // beams for start in range(0, a.shape[0], beams)
-                        if not _close(a[start:start + beams], b[start:start + beams], tolerance)}
+        if beams > 1:
+            for sentence in range(a.shape[0] // beams):
+                rows = slice(sentence * beams, (sentence + 1) * beams)
+                if sentence in cut or _close(a[rows], b[rows], tolerance):
+                    continue
+                if _same_rows_in_some_order(a[rows], b[rows], beams, tolerance):
+                    swapped.add(sentence)
+                elif step > 0 and cuts is not None and _tie_at_cut(cuts()[step - 1][sentence], beams):
+                    cut.add(sentence)
+                else:
+                    torch.testing.assert_close(a[rows], b[rows], rtol=tolerance, atol=tolerance, equal_nan=True,
+                                               msg=lambda m, step=step: f"{what}[{step}]: {m}")
             continue
         torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance, equal_nan=True,
                                    msg=lambda m, step=step: f"{what}[{step}]: {m}")
-    return swapped
+    return swapped | cut
 
 
-def _compare(got, expected, settings, rescored):
-    """``rescored()`` reruns lightgen and HF with ``output_scores`` ((lightgen's, HF's) outputs), asked for only
-    where beam search's near-ties leave the order of hypotheses or their beam slots to fp32 rounding."""
+def _tie_at_cut(candidates: torch.Tensor, beams: int) -> bool:
+    """Whether the last candidate kept and the first left out at a cut to ``beams`` running beams tie."""
+    ranked = candidates.sort(descending=True).values
+    return ranked.numel() > beams and _tie(ranked[beams - 1], ranked[beams])
+
+
+def _compare(got, expected, settings, rescored, cuts=None):
+    """``rescored()`` reruns lightgen and HF with ``output_scores`` ((lightgen's, HF's) outputs), and ``cuts()``
+    HF to record its running-beam cuts (``_hf_cuts``), asked for only where beam search's near-ties leave the
+    order of hypotheses, their beam slots or the running beams to fp32 rounding."""
     per_sentence = settings.get("num_return_sequences", 1) if settings.get("num_beams", 1) > 1 else 0
     dict_out = settings.get("return_dict_in_generate")
     sequences, hf_sequences = (got.sequences, expected.sequences) if dict_out else (got, expected)
@@ -340,18 +360,20 @@ def _compare(got, expected, settings, rescored):
     temperature = settings.get("temperature", 1.0) if settings.get("do_sample") else 1.0
     swapped = set()
     if settings.get("output_scores"):
-        swapped |= _assert_close_scores(got.scores, expected.scores, "scores", beams, 1e-4 / min(temperature, 1.0))
+        swapped |= _assert_close_scores(got.scores, expected.scores, "scores", beams, 1e-4 / min(temperature, 1.0),
+                                        cuts)
     if settings.get("output_logits"):
-        swapped |= _assert_close_scores(got.logits, expected.logits, "logits", beams)
+        swapped |= _assert_close_scores(got.logits, expected.logits, "logits", beams, cuts=cuts)
     if getattr(expected, "beam_indices", None) is not None:
-        _assert_beam_indices(got, expected, per_sentence, beams, swapped, settings, rescored, replaced)
+        _assert_beam_indices(got, expected, per_sentence, beams, swapped, settings, rescored, replaced, cuts)
         if expected.sequences_scores is not None:
             torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, rtol=1e-4, atol=1e-4)
 
 
-def _assert_beam_indices(got, expected, per_sentence, beams, swapped, settings, rescored, replaced):
+def _assert_beam_indices(got, expected, per_sentence, beams, swapped, settings, rescored, replaced, cuts=None):
     """Exact, except for hypotheses that tie with another of their sentence and for sentences whose running
-    beams swapped slots at a tie (seen in the step scores): their tokens came through other slots."""
+    beams swapped slots or were cut otherwise at a tie (seen in the step scores): their tokens came through
+    other slots."""
     assert got.beam_indices.shape == expected.beam_indices.shape, "beam_indices differ in shape"
     scores = expected.sequences_scores
     rows = len(expected.beam_indices)
@@ -361,7 +383,7 @@ def _assert_beam_indices(got, expected, per_sentence, beams, swapped, settings, 
     if not settings.get("output_scores"):
         mine, hf = rescored()
         assert torch.equal(mine.sequences, got.sequences), "a rerun with output_scores changed lightgen's tokens"
-        swapped = _assert_close_scores(mine.scores, hf.scores, "scores", beams)
+        swapped = _assert_close_scores(mine.scores, hf.scores, "scores", beams, cuts=cuts)
     sentence = torch.arange(rows) // per_sentence
     exact &= ~torch.isin(sentence, torch.tensor(sorted(swapped), dtype=torch.long))
     assert torch.equal(got.beam_indices[exact], expected.beam_indices[exact]), "beam_indices differ"
@@ -403,7 +425,8 @@ def run_case(seed: int) -> str:
         if isinstance(hf, Exception) or isinstance(mine, Exception):
             assert type(hf) is type(mine), f"HF: {hf!r}; lightgen: {mine!r}"
             return description + f" (both raise {type(hf).__name__})"
-        _compare(mine, hf, settings, lambda: _rescored(model, accelerated, kwargs, lightgen_only, seed))
+        _compare(mine, hf, settings, lambda: _rescored(model, accelerated, kwargs, lightgen_only, seed),
+                 functools.cache(lambda: _hf_cuts(model, kwargs, seed)))
     except AssertionError as error:
         raise AssertionError(f"{description}\n{error}") from None
     return description
@@ -419,6 +442,26 @@ def _rescored(model, accelerated, kwargs, lightgen_only, seed: int):
             outputs.append(target.generate(**{**kwargs, "return_dict_in_generate": True, "output_scores": True},
                                            **extra))
     return tuple(outputs)
+
+
+def _hf_cuts(model, kwargs, seed: int) -> list[torch.Tensor]:
+    """HF's candidates at each step's cut to the running beams ([batch, 2 x beams] scores, the finished at -1e9 as
+    HF sets them), recorded around its ``_get_running_beams_for_next_iteration`` in a rerun of the case."""
+    cuts, select = [], model._get_running_beams_for_next_iteration
+
+    def recorded(**arguments):
+        cuts.append(arguments["topk_log_probs"] + arguments["next_token_hits_stopping_criteria"].float() * -1.0e9)
+        return select(**arguments)
+
+    model._get_running_beams_for_next_iteration = recorded
+    try:
+        torch.manual_seed(seed)
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            model.generate(**kwargs)
+    finally:
+        del model._get_running_beams_for_next_iteration
+    return cuts
 
 
 def _budget_seconds() -> float:
@@ -471,8 +514,10 @@ def test_fuzz_near_tie_beam_order_is_a_permutation_of_hfs_rows():
 # And (1 of 2125): GPT-NeoX beam 5 returning 4, lightgen's 4th hypothesis another whose score ties HF's 4th
 # (4.8e-7 apart).
 # And (1 of 2451): BART beam 6, lightgen's 3rd a tied sibling of HF's first two that HF lost at a beam cut.
+# And (1 of 819): GPT-NeoX beam 6, two candidates at step 4's cut to 6 running beams with equal HF scores; lightgen
+# ran the other, so one sentence's step-5 rows and later slots are not HF's; the returned hypotheses are.
 @pytest.mark.parametrize("seed", [7100115802160, 21697305301247, 33220478300314, 33220478300164, 62340026000652,
-                                  82031753900246, 53744575201367])
+                                  82031753900246, 53744575201367, 14202331800197])
 def test_fuzz_near_tie_returned_hypotheses_in_another_order(seed):
     run_case(seed)
 
@@ -498,6 +543,23 @@ def test_a_permutation_across_sentences_or_of_other_values_still_fails():
     assert not _same_rows_in_some_order(a, a[[2, 3, 0, 1]], beams=2)
     with pytest.raises(AssertionError):
         _assert_close_scores([a], [a + 1], "scores", beams=2)
+
+
+def test_other_running_beams_pass_only_after_a_tie_at_hfs_cut():
+    a = torch.arange(12.0).view(4, 3)
+    other = a.clone()
+    other[1] += 5  # sentence 0 runs another beam at step 1 (and on: step 2 differs in both of its rows)
+    tied = [torch.tensor([[-1.0, -2.0, -2.0, -3.0], [-1.0, -2.0, -3.0, -4.0]])]  # sentence 0: 2nd and 3rd tie
+    later = a + 1
+    later[:2] += 6
+    assert _assert_close_scores([a, other, other + 1], [a, a, later], "scores", beams=2, cuts=lambda: tied) == {0}
+    untied = [torch.tensor([[-1.0, -2.0, -2.5, -3.0], [-1.0, -2.0, -3.0, -4.0]])]
+    for cuts in (lambda: untied, None):
+        with pytest.raises(AssertionError):
+            _assert_close_scores([a, other], [a, a], "scores", beams=2, cuts=cuts)
+    with pytest.raises(AssertionError):  # the other sentence, whose cut did not tie
+        _assert_close_scores([a, a + torch.tensor([[0.0], [0], [5], [0]])], [a, a], "scores", beams=2,
+                             cuts=lambda: tied)
 
 
 def test_tied_hypotheses_are_those_within_near_tie_of_another_in_their_sentence():
