@@ -3,11 +3,13 @@
 Python's ``Decoder.step`` (decoder.py) stays the specification and runs everything around the layers (embedding,
 rotary angles once per step, cache bookkeeping, final norm, LM head). Its layer loop dispatches ~15 ops per layer
 from Python, each a few microseconds of interpreter and dispatcher: on a 30-layer model (SmolLM2-135M) a quarter of
-a batch-1 step. For the shape most decoder-only LLMs share (pre-RMSNorm blocks, rotate-half rotary, grouped-query
-self-attention on the static cache, a gated FFN: Llama, Mistral, Qwen2, Qwen3) the C++ step runs the same kernels
-in the same order on the same inputs, so its output is bit-identical, and the layers' tensors are gathered once per
-request (``plan``), not looked up per op. Other shapes, and steps a kernel would not take (non-float32, or more
-rows than the fp32 kernels run: long prompts), keep the Python loop; the result is the same either way.
+a batch-1 step. For blocks of sequential residuals (pre- or post-norm, RMSNorm or LayerNorm), separate q/k/v
+projections (grouped-query self-attention on the static cache, rotate-half rotary or none, q/k norms, queries
+scaled or not), optional cross-attention and a gated or plain FFN (Llama, Mistral, Qwen2, Qwen3, OPT, BART, mBART,
+Marian, M2M-100, Pegasus) the C++ step runs the same kernels in the same order on the same inputs, so its output is
+bit-identical, and the layers' tensors are gathered once per request (``plan``), not looked up per op. Other shapes
+(``unsupported`` says why), and steps a kernel would not take (non-float32, or more rows than the fp32 kernels run:
+long prompts), keep the Python loop; the result is the same either way.
 
 Measured (benchmarks/decode_step.py, SmolLM2-135M fp32, 2 threads, AVX-512, a quiet machine; README "Decoder
 step"), ms a step at batch 1 / 8: Python step 30.4 / 37.8, native 23.1 / 29.6 (1.32x / 1.28x; the bandwidth floor:
@@ -30,33 +32,43 @@ from lightgen.modules.norm import norm_kind
 # Families whose apply_rotary_pos_emb is HF's rotate-half form, q * cos + rotate_half(q) * sin, as the C++ step
 # computes it (Phi-3's and GPT-NeoX's rotate part of each head; Gemma's norms and FFN differ anyway).
 ROTATE_HALF = {f"transformers.models.{family}.modeling_{family}" for family in ("llama", "mistral", "qwen2", "qwen3")}
+NORM_KINDS = ("rms", "layer")  # RMSNorm, or LayerNorm with its weight (and bias, if any)
 
 
 def unsupported(spec) -> str | None:
     """Why ``spec``'s layers cannot run as one native call, or None when they can."""
     block = spec.block
-    if not block.pre_norm or block.parallel_residual or not block.gated or block.fused_gate_up or block.act is None:
-        return "the native step runs pre-norm blocks with a gated FFN of separate gate/up projections"
-    if spec.embedding_norm is not None or spec.relative_position_bias is not None:
-        return "the native step has no embedding norm or relative position bias"
-    first = spec.layers[0].self_attn
-    eps, qk_eps = set(), set()
+    if block.parallel_residual or block.fused_gate_up or block.act is None:
+        return "the native step runs sequential residuals and an FFN of separate projections with a kernel activation"
+    if spec.relative_position_bias is not None:
+        return "the native step has no relative position bias"
+    first = spec.layers[0]
+    kinds, eps, qk_eps = set(), set(), set()
     for layer in spec.layers:
-        attn = layer.self_attn
-        if (layer.cross_attn is not None or layer.self_out_norm is not None or layer.ffn_out_norm is not None
-                or layer.rotary is not None):
-            return "the native step runs self-attention and FFN sublayers without extra norms or per-layer rotary"
-        if attn.k is None or attn.scale_queries or (attn.q_norm is None) != (attn.k_norm is None):
-            return "the native step needs separate q/k/v projections, scaled scores and q/k norms in pairs"
-        if (attn.heads, attn.kv_heads, attn.head_dim, attn.score_scale, attn.softcap) != (
-                first.heads, first.kv_heads, first.head_dim, first.score_scale, first.softcap):
+        attn, cross = layer.self_attn, layer.cross_attn
+        if layer.self_out_norm is not None or layer.ffn_out_norm is not None or layer.rotary is not None:
+            return "the native step runs sublayers without output norms or per-layer rotary"
+        if (cross is None) != (first.cross_attn is None) or (cross is not None and cross.heads != first.cross_attn.heads):
+            return "the native step needs cross-attention of one shape in every layer or in none"
+        if attn.k is None or (attn.q_norm is None) != (attn.k_norm is None):
+            return "the native step needs separate q/k/v projections and q/k norms in pairs"
+        if (attn.heads, attn.kv_heads, attn.head_dim, attn.scaling, attn.scale_queries, attn.softcap) != (
+                first.self_attn.heads, first.self_attn.kv_heads, first.self_attn.head_dim, first.self_attn.scaling,
+                first.self_attn.scale_queries, first.self_attn.softcap):
             return "the native step needs the same attention shape in every layer"
-        norms = [layer.self_norm, layer.ffn_norm]
-        if any(norm_kind(norm) != "rms" for norm in [*norms, *([attn.q_norm, attn.k_norm] if attn.q_norm else [])]):
-            return "the native step runs Llama's RMSNorm only"
-        eps |= {norm.variance_epsilon for norm in norms}
+        if cross is not None and cross.scaling != first.cross_attn.scaling:
+            return "the native step needs the same cross-attention scale in every layer"
+        norms = [layer.self_norm, layer.ffn_norm, *([layer.cross_norm] if cross is not None else [])]
+        kinds |= {norm_kind(norm) for norm in norms}
+        if not kinds <= set(NORM_KINDS):
+            break
+        eps |= {_epsilon(norm) for norm in norms}
         if attn.q_norm is not None:
+            if {norm_kind(attn.q_norm), norm_kind(attn.k_norm)} != {"rms"}:
+                return "the native step runs RMSNorm q/k norms only"
             qk_eps |= {attn.q_norm.variance_epsilon, attn.k_norm.variance_epsilon}
+    if len(kinds) > 1 or not kinds <= set(NORM_KINDS):
+        return f"the native step runs blocks of one norm kind of {', '.join(NORM_KINDS)}, not {sorted(map(str, kinds))}"
     if len(eps) > 1 or len(qk_eps) > 1:
         return "the native step needs one epsilon for the layers' norms and one for the q/k norms"
     rotate = getattr(spec.apply_rotary, "__module__", None)
@@ -66,21 +78,32 @@ def unsupported(spec) -> str | None:
     return None if status.compiled else f"the C++ kernels are not built ({status.reason})"
 
 
+def _epsilon(norm) -> float:
+    return norm.eps if norm_kind(norm) == "layer" else norm.variance_epsilon
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What the C++ step reads, gathered once per request: per layer its norm weights and each projection's kernel
-    weights (the packed copies ``apply_linear`` would run), flat as csrc/cpu/decode_step.cpp lays them out."""
+    """What the C++ step reads, gathered once per request: per layer its norm weights (and LayerNorm biases) and
+    each projection's kernel weights (the packed copies ``apply_linear`` would run), flat as
+    csrc/cpu/decode_step.cpp lays them out."""
     tensors: list
     ints: list[int]
     max_rows: float  # the most rows (batch x new tokens) every projection's kernel takes
     heads: int
     kv_heads: int
     head_dim: int
+    cross_heads: int
     eps: float
     qk_eps: float
     scale: float
+    cross_scale: float
     softcap: float
     act: str
+    pre_norm: bool
+    layer_norm: bool
+    gated: bool
+    scale_queries: bool
 
     def takes(self, hidden: torch.Tensor) -> bool:
         rows, length, _ = hidden.shape
@@ -90,13 +113,21 @@ class Plan:
 def plan(spec) -> Plan | None:
     """The plan of a spec ``unsupported`` accepts, or None when a projection has no kernel weights (ATen runs it)."""
     tensors, ints, max_rows = [], [], math.inf
+    block = spec.block
     for layer in spec.layers:
-        attn = layer.self_attn
-        ffn = [getattr(layer.ffn_owner, name) for name in (*spec.block.ffn_in, spec.block.ffn_out)]
-        tensors += [layer.self_norm.weight, layer.ffn_norm.weight, getattr(attn.q_norm, "weight", None),
-                    getattr(attn.k_norm, "weight", None)]
+        attn, cross = layer.self_attn, layer.cross_attn
+        for norm in (layer.self_norm, layer.cross_norm, layer.ffn_norm):
+            tensors += [getattr(norm, "weight", None), getattr(norm, "bias", None)]
+        tensors += [getattr(attn.q_norm, "weight", None), getattr(attn.k_norm, "weight", None)]
         ints.append(attn.window)
-        for module in (attn.q, attn.k, attn.v, attn.out, *ffn):
+        ffn = [getattr(layer.ffn_owner, name) for name in block.ffn_in]
+        linears = (attn.q, attn.k, attn.v, attn.out, getattr(cross, "q", None), getattr(cross, "out", None),
+                   ffn[0], ffn[1] if block.gated else None, getattr(layer.ffn_owner, block.ffn_out))
+        for module in linears:
+            if module is None:
+                tensors += [None] * 4
+                ints += [0, 0]
+                continue
             weights = current_weights(module)
             if weights is None or weights.weight.device.type != "cpu":
                 return None
@@ -104,10 +135,12 @@ def plan(spec) -> Plan | None:
             tensors += [weights.weight.t() if weights.conv1d else weights.weight, weights.scale, weights.offset,
                         module.bias]
             ints += [weights.out_features, weights.group_size]
-    first, attn = spec.layers[0], spec.layers[0].self_attn
+    first = spec.layers[0]
+    attn, cross = first.self_attn, first.cross_attn
     qk_eps = next((layer.self_attn.q_norm.variance_epsilon for layer in spec.layers if layer.self_attn.q_norm), 0.0)
-    return Plan(tensors, ints, max_rows, attn.heads, attn.kv_heads, attn.head_dim, first.self_norm.variance_epsilon,
-                qk_eps, attn.score_scale, attn.softcap, spec.block.act)
+    return Plan(tensors, ints, max_rows, attn.heads, attn.kv_heads, attn.head_dim, getattr(cross, "heads", 0),
+                _epsilon(first.self_norm), qk_eps, attn.scaling, getattr(cross, "scaling", 1.0), attn.softcap, block.act,
+                block.pre_norm, norm_kind(first.self_norm) == "layer", block.gated, attn.scale_queries)
 
 
 def run(plan: Plan, state, hidden: torch.Tensor, rotary, mask) -> torch.Tensor:
@@ -117,4 +150,6 @@ def run(plan: Plan, state, hidden: torch.Tensor, rotary, mask) -> torch.Tensor:
     cos, sin = rotary if rotary is not None else (None, None)
     return torch.ops.lightgen.decode_layers.default(
         hidden, plan.tensors, plan.ints, cache.keys, cache.values, cache.rows, state.lengths, mask, cos, sin,
-        plan.heads, plan.kv_heads, plan.head_dim, plan.eps, plan.qk_eps, plan.scale, plan.softcap, plan.act)
+        state.cross_keys, state.cross_values, state.encoder_keep, state.expand, plan.heads, plan.kv_heads,
+        plan.head_dim, plan.cross_heads, plan.eps, plan.qk_eps, plan.scale, plan.cross_scale, plan.softcap, plan.act,
+        plan.pre_norm, plan.layer_norm, plan.gated, plan.scale_queries)

@@ -113,6 +113,39 @@ def test_generate_with_the_native_step_matches_hf(family):
         assert torch.equal(got, reference.generate(**kwargs, **{k: v for k, v in settings.items() if k != "decoding"}))
 
 
+# Encoder-decoder families (post-norm BART and Marian, pre-norm mBART, M2M-100 and Pegasus: LayerNorm, cross-attention,
+# a plain GELU / SiLU FFN) and OPT (pre-norm LayerNorm, ReLU, queries scaled before the scores).
+LAYER_NORM_FAMILIES = ("bart", "mbart", "marian", "m2m_100", "pegasus", "opt")
+
+
+@pytest.mark.parametrize("family", LAYER_NORM_FAMILIES)
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_layer_norm_and_cross_attention_families_step_natively_bit_identical(family, quantize):
+    """Their logits from generate (greedy with padding, beams reordering rows and the cross-attention's sentences)
+    with the native step equal the Python step's bit for bit, and the tokens are unpatched HF's."""
+    model = build(family, seed=9)
+    reference = copy.deepcopy(model)
+    decoder = _decoder(lightgen.accelerate_model(model, quantize=quantize))
+    assert decoder.native_reason is None
+    ids, mask = padded_batch(family, 3, 9, seed=9)
+    for settings in (dict(), dict(num_beams=3, num_return_sequences=2)):
+        kwargs = dict(input_ids=ids, attention_mask=mask, min_new_tokens=8, max_new_tokens=8, do_sample=False,
+                      output_logits=True, return_dict_in_generate=True, **settings)
+        reason, before = decoder.native_reason, decoder.native_steps
+        native = model.generate(**kwargs)
+        assert decoder.native_steps - before >= 8, settings
+        decoder.native_reason = "the test's Python step"
+        try:
+            python = model.generate(**kwargs)
+        finally:
+            decoder.native_reason = reason
+        assert torch.equal(native.sequences, python.sequences)
+        for got, expected in zip(native.logits, python.logits, strict=True):
+            assert torch.equal(got, expected), f"{settings}: max difference {(got - expected).abs().max()}"
+        if quantize is None:
+            assert torch.equal(native.sequences, reference.generate(**kwargs).sequences)
+
+
 @torch.no_grad()
 def test_steps_the_kernels_would_not_take_run_in_python():
     """More rows than the fp32 kernels run (a long prompt: ATen's GEMM runs the Python step's projections) and
@@ -131,8 +164,9 @@ def test_steps_the_kernels_would_not_take_run_in_python():
     ids, mask = padded_batch("llama", 2, 5, seed=6)
     bf16.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert _decoder(bf16).native_reason is None and _decoder(bf16).native_steps == 0
-    for family, why in (("gemma", "RMSNorm"), ("phi3", "gate/up"), ("gpt2", "gated"), ("gemma2", "extra norms"),
-                        ("bart", "pre-norm")):
+    for family, why in (("gemma", "norm kind"), ("phi3", "separate projections"), ("gpt2", "separate q/k/v"),
+                        ("gemma2", "output norms"), ("t5", "relative position bias"),
+                        ("gpt_neox", "sequential residuals")):
         reason = _decoder(lightgen.accelerate_model(build(family))).native_reason
         assert reason is not None and why in reason, (family, reason)
 
@@ -144,7 +178,7 @@ def test_the_native_op_names_what_is_wrong_with_its_arguments():
     state = decoder.start(2, 6, torch.float32, "cpu")
     hidden = torch.randn(2, 1, decoder.spec.token_embedding.shape[1])
     try:
-        with pytest.raises(RuntimeError, match="'weights' must hold 32 tensors per layer"):
+        with pytest.raises(RuntimeError, match="'weights' must hold 44 tensors per layer"):
             native_step.run(dataclasses.replace(plan, tensors=plan.tensors[:-1]), state, hidden, None, None)
         with pytest.raises(RuntimeError, match="the caches decode 2 rows but 'hidden' has 3"):
             native_step.run(plan, state, torch.randn(3, 1, hidden.shape[-1]), None, None)

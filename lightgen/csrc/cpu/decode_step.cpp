@@ -1,7 +1,9 @@
-// The layers of a decoder step in one call, for pre-RMSNorm blocks with rotary, grouped-query self-attention over
-// the static KV cache and a gated FFN (Llama, Mistral, Qwen2, Qwen3). It calls the kernels the Python step
-// (lightgen/modules/decoder.py, the specification) dispatches one by one, on the same inputs in the same order,
-// so its result is bit-identical; what it saves is ~15 Python op calls per layer (lightgen/modules/native_step.py).
+// The layers of a decoder step in one call: pre- or post-norm blocks (RMSNorm or LayerNorm), self-attention over the
+// static KV cache (grouped-query, optionally rotary, with q/k norms), optionally cross-attention over the encoder's
+// cached K/V, and a gated or plain FFN (Llama, Mistral, Qwen2, Qwen3, BART, mBART, Marian, M2M-100, OPT...). It calls
+// the kernels the Python step (lightgen/modules/decoder.py, the specification) dispatches one by one, on the same
+// inputs in the same order, so its result is bit-identical; what it saves is ~15-25 Python op calls per layer
+// (lightgen/modules/native_step.py).
 // CPU only: the CUDA library does not define it, and its schema is not one of the ops in lightgen_ops.cpp
 // (it has no reference of its own: without this library the Python step runs).
 #include <torch/library.h>
@@ -16,10 +18,11 @@ namespace {
 using at::Tensor;
 
 constexpr const char* kOp = "lightgen.decode_layers";
-constexpr int64_t kLinears = 7;  // q, k, v, out, gate, up, down
-// Per layer: the norms before attention and before the FFN, on q and on k (undefined: none), then each linear's
-// weight, scale and offset (group-wise quantized only) and bias.
-constexpr int64_t kNorms = 4;
+// Per layer, the norms: before self-attention, before cross-attention, before the FFN (weight, bias: LayerNorm's
+// bias, undefined for RMSNorm or none), on q and on k (weights; undefined: none).
+enum NormSlot : int64_t { kSelfNorm = 0, kCrossNorm = 2, kFfnNorm = 4, kQNorm = 6, kKNorm = 7, kNorms = 8 };
+// Then each linear's weight, scale and offset (group-wise quantized only) and bias; undefined weight: none.
+enum LinearIndex : int64_t { kQ, kK, kV, kOut, kCrossQ, kCrossOut, kFfnIn, kFfnUp, kFfnOut, kLinears };
 constexpr int64_t kTensorsPerLayer = kNorms + 4 * kLinears;
 constexpr int64_t kIntsPerLayer = 1 + 2 * kLinears;  // the sliding window, then each linear's out_features, group_size
 
@@ -28,9 +31,9 @@ struct Linear {
   int64_t out_features = 0, group_size = 0;
 
   // LinearWeights.run of lightgen/modules/linear.py.
-  Tensor operator()(const Tensor& x) const {
-    if (group_size > 0) return linear_grouped(x, *weight, *scale, offset, bias, "none", out_features, group_size);
-    return linear(x, *weight, c10::nullopt, bias, "none", out_features);
+  Tensor operator()(const Tensor& x, c10::string_view act = "none") const {
+    if (group_size > 0) return linear_grouped(x, *weight, *scale, offset, bias, act, out_features, group_size);
+    return linear(x, *weight, c10::nullopt, bias, act, out_features);
   }
 
   bool in_panels() const { return weight->dim() == 3; }
@@ -83,21 +86,39 @@ Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& sin) {
   return out;
 }
 
+// What every layer shares: shapes, epsilons, scales and the block's form.
+struct Shape {
+  int64_t heads, kv_heads, head_dim, cross_heads, expand;
+  double eps, qk_eps, scale, cross_scale, softcap;
+  bool pre_norm, layer_norm, gated, scale_queries;
+  c10::string_view act;
+};
+
 // hidden: float32 [N, T, E], the step's embedded tokens. weights: kTensorsPerLayer per layer; layer_ints:
 // kIntsPerLayer per layer. k_caches, v_caches: per layer [R, Hkv, Tmax, D] (R >= rows; rows 0..rows-1 decode),
 // written in place at lengths[n] + t; lengths: int64 [N]; mask: bool [N, Tmax] (true = attend) or None;
-// cos, sin: [N, T, D] (HF's rotary module's) or None (no rotary). Returns the hidden states after the last layer.
+// cos, sin: [N, T, D] (HF's rotary module's) or None (no rotary). cross_keys, cross_values: per layer the encoder
+// output's [N / expand, H, S, D] (empty: no cross-attention), encoder_keep: bool [N / expand, S] or None.
+// Returns the hidden states after the last layer.
 Tensor decode_layers(const Tensor& hidden_in, const c10::List<c10::optional<Tensor>>& weight_list,
                      at::IntArrayRef layer_ints, at::TensorList k_caches, at::TensorList v_caches, int64_t rows,
                      const Tensor& lengths, const c10::optional<Tensor>& mask, const c10::optional<Tensor>& cos_in,
-                     const c10::optional<Tensor>& sin_in, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                     double eps, double qk_eps, double scale, double softcap, c10::string_view act) {
+                     const c10::optional<Tensor>& sin_in, at::TensorList cross_keys, at::TensorList cross_values,
+                     const c10::optional<Tensor>& encoder_keep, int64_t expand, int64_t heads, int64_t kv_heads,
+                     int64_t head_dim, int64_t cross_heads, double eps, double qk_eps, double scale,
+                     double cross_scale, double softcap, c10::string_view act, bool pre_norm, bool layer_norm,
+                     bool gated, bool scale_queries) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   LG_CHECK_CPU(kOp, hidden_in);
   TORCH_CHECK(hidden_in.scalar_type() == at::kFloat && hidden_in.dim() == 3, kOp,
               ": 'hidden' must be float32 [N, T, E], got ", hidden_in.scalar_type(), " ", hidden_in.sizes());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers, kOp,
               ": 'k_caches' and 'v_caches' must hold one cache per layer, got ", layers, " and ", v_caches.size());
+  const bool cross = !cross_keys.empty();
+  TORCH_CHECK(!cross || (static_cast<int64_t>(cross_keys.size()) == layers &&
+                         static_cast<int64_t>(cross_values.size()) == layers),
+              kOp, ": 'cross_keys' and 'cross_values' must hold one tensor per layer or none, got ", cross_keys.size(),
+              " and ", cross_values.size());
   TORCH_CHECK(static_cast<int64_t>(weight_list.size()) == layers * kTensorsPerLayer, kOp, ": 'weights' must hold ",
               kTensorsPerLayer, " tensors per layer (", layers * kTensorsPerLayer, "), got ", weight_list.size());
   TORCH_CHECK(static_cast<int64_t>(layer_ints.size()) == layers * kIntsPerLayer, kOp, ": 'layer_ints' must hold ",
@@ -105,6 +126,7 @@ Tensor decode_layers(const Tensor& hidden_in, const c10::List<c10::optional<Tens
   TORCH_CHECK(cos_in.has_value() == sin_in.has_value(), kOp, ": 'cos' and 'sin' must be given together");
   const int64_t N = hidden_in.size(0), T = hidden_in.size(1);
   TORCH_CHECK(rows == N, kOp, ": the caches decode ", rows, " rows but 'hidden' has ", N);
+  TORCH_CHECK(!cross || (expand > 0 && N % expand == 0), kOp, ": ", N, " rows are not sentences of expand=", expand);
   const std::vector<c10::optional<Tensor>> weights = weight_list.vec();
   Tensor cos, sin;
   if (cos_in) {
@@ -119,10 +141,19 @@ Tensor decode_layers(const Tensor& hidden_in, const c10::List<c10::optional<Tens
   auto tensor = [&](int64_t layer, int64_t slot) -> const c10::optional<Tensor>& {
     return weights[layer * kTensorsPerLayer + slot];
   };
-  auto norm = [&](int64_t layer, int64_t slot) -> const Tensor& {
+  auto weight_of = [&](int64_t layer, int64_t slot) -> const Tensor& {
     const c10::optional<Tensor>& t = tensor(layer, slot);
     TORCH_CHECK(t.has_value(), kOp, ": layer ", layer, " has no norm weight in slot ", slot);
     return *t;
+  };
+  // apply_norm / apply_add_norm of lightgen/modules/norm.py.
+  auto norm = [&](int64_t layer, int64_t slot, const Tensor& x) {
+    return layer_norm ? lightgen::layer_norm(x, weight_of(layer, slot), tensor(layer, slot + 1), eps)
+                      : rms_norm(x, weight_of(layer, slot), eps);
+  };
+  auto add_norm = [&](int64_t layer, int64_t slot, const Tensor& x, const Tensor& residual) {
+    return layer_norm ? add_layer_norm(x, residual, weight_of(layer, slot), tensor(layer, slot + 1), eps)
+                      : add_rms_norm(x, residual, weight_of(layer, slot), eps);
   };
   auto projection = [&](int64_t layer, int64_t index) {
     const int64_t slot = kNorms + 4 * index, ints = layer * kIntsPerLayer + 1 + 2 * index;
@@ -133,39 +164,62 @@ Tensor decode_layers(const Tensor& hidden_in, const c10::List<c10::optional<Tens
     return l;
   };
 
-  // Decoder.step's layer loop with run_block's pre-norm residuals: the FFN's residual add is fused with the next
-  // layer's first norm (fp32: the same sum as the unfused add, rounded once either way).
-  Tensor residual = hidden_in, hidden;
-  Tensor normed = rms_norm(hidden_in, norm(0, 0), eps);
-  for (int64_t layer = 0; layer < layers; ++layer) {
-    // AttentionWeights.project: [N, T, H * D] -> [N, H, T, D] views.
-    const std::vector<Tensor> qkv = run_all({projection(layer, 0), projection(layer, 1), projection(layer, 2)}, normed);
+  // Decoder._self_attention: AttentionWeights.project, q/k norms, scaled queries, rotary, the cached attention.
+  auto self_attention = [&](int64_t layer, const Tensor& x) {
+    const std::vector<Tensor> qkv = run_all({projection(layer, kQ), projection(layer, kK), projection(layer, kV)}, x);
     Tensor q = qkv[0].view({N, T, heads, head_dim}).transpose(1, 2);
     Tensor k = qkv[1].view({N, T, kv_heads, head_dim}).transpose(1, 2);
     Tensor v = qkv[2].view({N, T, kv_heads, head_dim}).transpose(1, 2);
-    if (tensor(layer, 2).has_value()) {
-      q = rms_norm(q, *tensor(layer, 2), qk_eps);
-      k = rms_norm(k, norm(layer, 3), qk_eps);
+    if (tensor(layer, kQNorm).has_value()) {
+      q = rms_norm(q, *tensor(layer, kQNorm), qk_eps);
+      k = rms_norm(k, weight_of(layer, kKNorm), qk_eps);
     }
+    if (scale_queries) q = q * scale;
     if (cos.defined()) {
       q = rotate(q, cos, sin);
       k = rotate(k, cos, sin);
     }
     Tensor k_cache = k_caches[layer].narrow(0, 0, rows), v_cache = v_caches[layer].narrow(0, 0, rows);
-    Tensor out = attention(q, k_cache, v_cache, k, v, lengths, mask, scale, true, layer_ints[layer * kIntsPerLayer],
-                           softcap);
-    Tensor attended = projection(layer, 3)(out.view({N, T, heads * head_dim}));
-    std::tie(residual, normed) = add_rms_norm(attended, residual, norm(layer, 1), eps);
-    // feed_forward, gated: act(gate(x)) * up(x), then down.
-    const std::vector<Tensor> gate_up = run_all({projection(layer, 4), projection(layer, 5)}, normed);
-    Tensor ffn = projection(layer, 6)(gated_act(gate_up[0], gate_up[1], act));
-    if (layer + 1 < layers) {
-      std::tie(residual, normed) = add_rms_norm(ffn, residual, norm(layer + 1, 0), eps);
-    } else {
-      hidden = ffn + residual;
+    Tensor out = attention(q, k_cache, v_cache, k, v, lengths, mask, scale_queries ? 1.0 : scale, true,
+                           layer_ints[layer * kIntsPerLayer], softcap);
+    return projection(layer, kOut)(out.view({N, T, heads * head_dim}));
+  };
+  // Decoder._cross_attention: each sentence's rows (beams) are extra queries over its encoder K/V.
+  auto cross_attention = [&](int64_t layer, const Tensor& x) {
+    const int64_t sentences = N / expand;
+    Tensor q = projection(layer, kCrossQ)(x).view({sentences, expand * T, cross_heads, -1}).transpose(1, 2);
+    Tensor keys = cross_keys[layer], values = cross_values[layer];
+    Tensor out = attention(q, keys, values, c10::nullopt, c10::nullopt, c10::nullopt, encoder_keep, cross_scale,
+                           false, 0, 0.0);
+    return projection(layer, kCrossOut)(out.view({N, T, -1}));
+  };
+  // feed_forward of lightgen/modules/block.py: act(gate(x)) * up(x), or act(fc1(x)) fused; then the down projection.
+  auto feed_forward = [&](int64_t layer, const Tensor& x) {
+    if (!gated) return projection(layer, kFfnOut)(projection(layer, kFfnIn)(x, act));
+    const std::vector<Tensor> gate_up = run_all({projection(layer, kFfnIn), projection(layer, kFfnUp)}, x);
+    return projection(layer, kFfnOut)(gated_act(gate_up[0], gate_up[1], act));
+  };
+
+  if (!pre_norm) {  // run_block's post-norm residuals: norm(x + sublayer(x)) after each sublayer
+    Tensor hidden = hidden_in;
+    for (int64_t layer = 0; layer < layers; ++layer) {
+      hidden = std::get<1>(add_norm(layer, kSelfNorm, self_attention(layer, hidden), hidden));
+      if (cross) hidden = std::get<1>(add_norm(layer, kCrossNorm, cross_attention(layer, hidden), hidden));
+      hidden = std::get<1>(add_norm(layer, kFfnNorm, feed_forward(layer, hidden), hidden));
     }
+    return hidden;
   }
-  return hidden;
+  // run_block's pre-norm residuals, each sublayer's residual add fused with the next sublayer's norm; the FFN's with
+  // the next layer's first norm (fp32: the same sum as the unfused add, rounded once either way).
+  Tensor residual = hidden_in, normed = norm(0, kSelfNorm, hidden_in);
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    std::tie(residual, normed) = add_norm(layer, cross ? kCrossNorm : kFfnNorm, self_attention(layer, normed), residual);
+    if (cross) std::tie(residual, normed) = add_norm(layer, kFfnNorm, cross_attention(layer, normed), residual);
+    Tensor ffn = feed_forward(layer, normed);
+    if (layer + 1 == layers) return ffn + residual;
+    std::tie(residual, normed) = add_norm(layer + 1, kSelfNorm, ffn, residual);
+  }
+  return residual;  // not reached: layers > 0
 }
 
 }  // namespace
@@ -173,8 +227,10 @@ Tensor decode_layers(const Tensor& hidden_in, const c10::List<c10::optional<Tens
 
 TORCH_LIBRARY_FRAGMENT(lightgen, m) {
   m.def("decode_layers(Tensor hidden, Tensor?[] weights, int[] layer_ints, Tensor(a!)[] k_caches, "
-        "Tensor(b!)[] v_caches, int rows, Tensor lengths, Tensor? mask, Tensor? cos, Tensor? sin, int heads, "
-        "int kv_heads, int head_dim, float eps, float qk_eps, float scale, float softcap, str act) -> Tensor");
+        "Tensor(b!)[] v_caches, int rows, Tensor lengths, Tensor? mask, Tensor? cos, Tensor? sin, Tensor[] cross_keys, "
+        "Tensor[] cross_values, Tensor? encoder_keep, int expand, int heads, int kv_heads, int head_dim, "
+        "int cross_heads, float eps, float qk_eps, float scale, float cross_scale, float softcap, str act, "
+        "bool pre_norm, bool layer_norm, bool gated, bool scale_queries) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lightgen, CPU, m) {

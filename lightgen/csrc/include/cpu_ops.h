@@ -20,6 +20,10 @@ struct PanelLinear {
   int64_t out_features = 0, group_size = 0;
 };
 std::vector<at::Tensor> linear_panels(const at::Tensor& x, const std::vector<PanelLinear>& layers);
+at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, double eps);
+std::tuple<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                  const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                                                  double eps);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps);
