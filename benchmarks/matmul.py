@@ -8,8 +8,12 @@ One decode step of a BART-size decoder runs 37 matmuls over 154 MB of fp32 weigh
 Providers: ``aten`` (F.linear, MKL), ``onednn`` (weights packed by torch.utils.mkldnn),
 ``lightgen-inplace`` (ops.linear on nn.Linear's own [N, K] weight, what ``pack=False`` runs),
 ``lightgen`` fp32 / bf16 / int8 / int4 (packed panels, what accelerate_model runs; bf16, int8
-and int4 are weight-only, int8 / int4 group-wise: ops.linear_grouped), ``fbgemm-int8`` (torch dynamic
-quantization, int8 activations).
+and int4 are weight-only, int8 / int4 group-wise: ops.linear_grouped), ``lightgen-int8-dynamic``
+(``quantize="int8-dynamic"``: the same int8 weights times int8 activations per group of 32, VNNI dot
+products, from INT8_ACTIVATION_MIN_ROWS rows on), ``fbgemm-int8`` (torch dynamic quantization, int8
+activations per tensor, fbgemm's int8 GEMM). ``--shapes smollm2`` runs SmolLM2-135M's step instead: 30
+layers of q (576x576), k, v (192x576), o (576x576), gate, up (1536x576), down (576x1536), and the tied
+LM head (49152x576).
 Reports ms per step, the GB/s of weight bytes each provider streams, that as a share of the
 memory bandwidth measured in the same run (a 256 MB sum), and the ratio to aten.
 Outputs are checked against aten before timing.
@@ -37,15 +41,22 @@ ROWS = (1, 4, 8, 16, 32, 64)
 FULL = Sampling(samples=21, min_sample_s=0.05, max_measure_s=20.0)
 QUICK = Sampling(samples=5, min_sample_s=0.01, max_measure_s=2.0, warmup_calls=1)
 BANDWIDTH_FLOATS = 64 << 20  # 256 MB: far beyond the caches
-PROVIDERS = ("aten", "onednn", "lightgen-inplace", "lightgen", "lightgen-bf16", "lightgen-int8", "lightgen-int4",
-             "fbgemm-int8")
-# Bytes streamed per weight, scales and zero points included (int8: 4 bytes per 32; int4: 8 per 32).
-BYTES_PER_WEIGHT = {"lightgen-bf16": 2, "lightgen-int8": 1 + 4 / 32, "lightgen-int4": 0.5 + 8 / 32, "fbgemm-int8": 1}
+PROVIDERS = ("aten", "onednn", "lightgen-inplace", "lightgen", "lightgen-bf16", "lightgen-int8",
+             "lightgen-int8-dynamic", "lightgen-int4", "fbgemm-int8")
+# Bytes streamed per weight, scales and zero points included (int8: 4 bytes per 32; int4: 8 per 32). int8-dynamic
+# from INT8_ACTIVATION_MIN_ROWS rows on reads the dot-product copy: 1 byte + a float scale and an int32 sum per 32.
+BYTES_PER_WEIGHT = {"lightgen-bf16": 2, "lightgen-int8": 1 + 4 / 32, "lightgen-int8-dynamic": 1 + 4 / 32,
+                    "lightgen-int4": 0.5 + 8 / 32, "fbgemm-int8": 1}
+SHAPES = {  # (out_features, in_features, bias) per matmul of one decode step
+    "bart": ([(D_MODEL, D_MODEL, True)] * 6 + [(FFN, D_MODEL, True), (D_MODEL, FFN, True)]) * LAYERS
+    + [(VOCAB, D_MODEL, False)],
+    "smollm2": [(576, 576, False), (192, 576, False), (192, 576, False), (576, 576, False), (1536, 576, False),
+                (1536, 576, False), (576, 1536, False)] * 30 + [(49152, 576, False)],
+}
 
 
-def decode_step_layers() -> list[nn.Linear]:
-    shapes = ([(D_MODEL, D_MODEL)] * 6 + [(FFN, D_MODEL), (D_MODEL, FFN)]) * LAYERS + [(VOCAB, D_MODEL)]
-    return [nn.Linear(k, n, bias=n != VOCAB).eval() for n, k in shapes]
+def decode_step_layers(shapes: str = "bart") -> list[nn.Linear]:
+    return [nn.Linear(k, n, bias=bias).eval() for n, k, bias in SHAPES[shapes]]
 
 
 def provider_calls(layers: list[nn.Linear]) -> dict[str, list]:
@@ -67,6 +78,7 @@ def provider_calls(layers: list[nn.Linear]) -> dict[str, list]:
         "lightgen": lightgen(None),
         "lightgen-bf16": lightgen("bf16"),
         "lightgen-int8": lightgen("int8"),
+        "lightgen-int8-dynamic": lightgen("int8-dynamic"),
         "lightgen-int4": lightgen("int4"),
         "fbgemm-int8": fbgemm,
     }
@@ -88,10 +100,16 @@ def relative_error(calls, layers, inputs) -> float:
     return worst
 
 
+def options(parser) -> None:
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="bart", help="whose decode step (default bart)")
+    parser.add_argument("--rows", type=int, nargs="+", help=f"rows per matmul (default {' '.join(map(str, ROWS))})")
+
+
 def main(argv=None) -> None:
-    args, env = start_run(__doc__, "matmul", "fewer samples (for CI smoke runs)", argv)
+    args, env = start_run(__doc__, "matmul", "fewer samples (for CI smoke runs)", argv, options)
     sampling = QUICK if args.quick else FULL
-    layers = decode_step_layers()
+    layers = decode_step_layers(args.shapes)
+    env["shapes"] = args.shapes
     weight_bytes = sum(layer.weight.numel() for layer in layers) * 4
     calls = provider_calls(layers)
     meter = ContentionMeter()
@@ -100,8 +118,8 @@ def main(argv=None) -> None:
     del big
     results = []
     with torch.no_grad():
-        for rows in ((1, 8) if args.quick else ROWS):
-            inputs = {k: torch.randn(rows, k) for k in (D_MODEL, FFN)}
+        for rows in args.rows or ((1, 8) if args.quick else ROWS):
+            inputs = {k: torch.randn(rows, k) for k in {layer.in_features for layer in layers}}
             errors = {name: relative_error(fns, layers, inputs) for name, fns in calls.items()}
             for name in ("lightgen", "lightgen-inplace"):
                 if errors[name] > 1e-5:
@@ -121,11 +139,13 @@ def main(argv=None) -> None:
     env["memory_bandwidth_gb_s"] = bandwidth
     env["weight_mb_fp32"] = weight_bytes / 1e6
     report(env, results)
-    write_results(args.out, "matmul", {"environment": env, "results": results}, lambda plt: chart(plt, env, results))
+    stem = "matmul" if args.shapes == "bart" else f"matmul-{args.shapes}"
+    write_results(args.out, stem, {"environment": env, "results": results}, lambda plt: chart(plt, env, results))
 
 
 def report(env: dict, results: list[dict]) -> None:
-    print(f"# decode-step matmuls: {LAYERS} BART-size layers + LM head, {env['weight_mb_fp32']:.0f} MB fp32 weights\n")
+    print(f"# decode-step matmuls ({env['shapes']}): {len(SHAPES[env['shapes']])} matmuls, layers + LM head, "
+          f"{env['weight_mb_fp32']:.0f} MB fp32 weights\n")
     print("\n".join(machine_lines(env)))
     print(f"- memory bandwidth (256 MB sum, same run): {env['memory_bandwidth_gb_s']:.1f} GB/s\n")
     print("ms per step (× vs aten; GB/s of weights streamed, % of the measured bandwidth)\n")
@@ -150,8 +170,8 @@ def chart(plt, env: dict, results: list[dict]):
         ax.plot(rows, [entry["providers"][name]["ms"] for entry in results], marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("rows per matmul (batch × beams)")
-    ax.set_ylabel("ms per decode step (37 matmuls)")
-    ax.set_title(f"BART-size decode-step matmuls\n{hardware_title(env)}", fontsize=9)
+    ax.set_ylabel(f"ms per decode step ({len(SHAPES[env['shapes']])} matmuls)")
+    ax.set_title(f"{env['shapes']} decode-step matmuls\n{hardware_title(env)}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return fig

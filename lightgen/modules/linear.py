@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import torch
 from torch import nn
 
 from lightgen import ops
-from lightgen.ops.linear import dequantize_grouped, pack_panels, quantize_grouped
+from lightgen.ops.linear import dequantize_grouped, int8_dot_available, pack_int8_dot, pack_panels, quantize_grouped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,16 +33,20 @@ class QuantFormat:
     bits: int
     group_size: int
     zero_points: bool | None = False
+    # int8 only, lossy: from INT8_ACTIVATION_MIN_ROWS rows on, x is rounded to int8 per group too and the dot
+    # products run in int32 (ops.linear_int8_dynamic), on CPUs with AVX-512 VNNI (elsewhere the weight-only path).
+    activations: bool = False
 
 
 # Chosen by benchmarks/quantize_quality.py on SmolLM2-135M and the demo model (README, "Quantization quality").
-FORMATS = {"int8": QuantFormat(8, 32, zero_points=None), "int4": QuantFormat(4, 32, zero_points=True)}
+FORMATS = {"int8": QuantFormat(8, 32, zero_points=None), "int4": QuantFormat(4, 32, zero_points=True),
+           "int8-dynamic": QuantFormat(8, 32, zero_points=None, activations=True)}
 # Zero points add a float per group (int8 g32: 12.5% more bytes a step): taken where they at least halve the
 # squared rounding error. On float-trained weights the two errors are close (a group's range is about twice
 # its largest magnitude); weights already on an asymmetric grid (a model dequantized from a Q4_1 file) are
 # kept exactly, and those on a symmetric grid (Q8_0) by the symmetric scales.
 ZERO_POINT_ERROR_RATIO = 0.5
-PRECISIONS = ("int8", "int4", "bf16")
+PRECISIONS = ("int8", "int8-dynamic", "int4", "bf16")
 HEAD_PRECISION = {"int4": "int8"}  # the LM head's precision where it differs from the other linears
 
 # Up to this many rows (batch x beams x new tokens) the fp32 kernels beat ATen/MKL, per layer shape
@@ -49,6 +54,8 @@ HEAD_PRECISION = {"int4": "int8"}  # the LM head's precision where it differs fr
 # 256 rows; the in-place layouts from 64 rows on are as fast as ATen's blocked GEMM or slower.
 PACKED_MAX_ROWS = 256
 IN_PLACE_MAX_ROWS = 48
+# int8-dynamic: from this many rows on the int8-activation kernel runs (below: linear_grouped, weight-only).
+INT8_ACTIVATION_MIN_ROWS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +65,9 @@ class LinearWeights:
     scale: torch.Tensor | None = None  # group-wise quantized: [P, G, 64] float32 (ops.linear_grouped)
     offset: torch.Tensor | None = None  # with zero points: [P, G, 64] float32
     group_size: int = 0  # > 0: quantized group-wise
+    # int8-dynamic: the weight again in ops.pack_int8_dot's layout ([P, ceil(K / 4), 64, 4]) and its group sums
+    dot: torch.Tensor | None = None
+    dot_sums: torch.Tensor | None = None
     conv1d: bool = False  # the weight is HF Conv1D's own [K, N] Parameter, read transposed in place
     # For a copy: the precision it was made in, and (version, data_ptr) of the Parameter it was made from.
     precision: str | None = None
@@ -69,7 +79,10 @@ class LinearWeights:
 
     @property
     def max_rows(self) -> float:
-        """The most rows of x the kernel runs (more go to ATen), unbounded when quantized (only the kernel can)."""
+        """The most rows of x the kernel runs (more go to ATen), unbounded when quantized (only the kernel can);
+        with int8 activations, the most rows ``linear_grouped`` runs (what the native decode step calls)."""
+        if self.dot is not None:
+            return INT8_ACTIVATION_MIN_ROWS - 1
         if self.quantized:
             return math.inf
         return PACKED_MAX_ROWS if self.source is not None else IN_PLACE_MAX_ROWS
@@ -85,6 +98,9 @@ class LinearWeights:
         return self.source is not None and self.source != (weight._version, weight.data_ptr())
 
     def run(self, x: torch.Tensor, bias: torch.Tensor | None, act: str = "none") -> torch.Tensor:
+        if self.dot is not None and x.numel() >= INT8_ACTIVATION_MIN_ROWS * x.shape[-1]:
+            return ops.linear_int8_dynamic(x, self.dot, self.scale, self.offset, self.dot_sums, bias, act,
+                                           self.out_features, self.group_size)
         if self.group_size:
             return ops.linear_grouped(x, self.weight, self.scale, self.offset, bias, act, self.out_features,
                                       self.group_size)
@@ -113,7 +129,8 @@ def packed_weights(weight: torch.Tensor, precision: str | None, fmt: QuantFormat
         errors = [(dequantize_grouped(*q, fmt.group_size, weight.shape[1], weight.shape[0]) - weight).square().sum()
                   for q in (symmetric, zero_point)]
         packed, scale, offset = zero_point if errors[1] <= ZERO_POINT_ERROR_RATIO * errors[0] else symmetric
-    return LinearWeights(packed, weight.shape[0], scale, offset, fmt.group_size, precision=precision)
+    dot, dot_sums = pack_int8_dot(packed, fmt.group_size) if fmt.activations and int8_dot_available() else (None, None)
+    return LinearWeights(packed, weight.shape[0], scale, offset, fmt.group_size, dot, dot_sums, precision=precision)
 
 
 def linear_weights(module: nn.Module, quantize: str | None, pack: bool) -> LinearWeights | None:
@@ -169,6 +186,10 @@ def check_precision(model: nn.Module, quantize: str | None) -> None:
     if quantize not in PRECISIONS:
         raise ValueError(f"accelerate_model: quantize must be one of {', '.join(PRECISIONS)} or None, got "
                          f"{quantize!r}")
+    if FORMATS.get(quantize, FORMATS["int8"]).activations and not int8_dot_available():
+        warnings.warn(f"lightgen: quantize={quantize!r} needs AVX-512 VNNI and lightgen's compiled kernels; this "
+                      "CPU or build has none, so its linear layers run weight-only int8 (quantize='int8')",
+                      RuntimeWarning, stacklevel=3)
     dtypes = {p.dtype for p in model.parameters()}
     if dtypes != {torch.float32}:
         raise ValueError(f"accelerate_model: quantize={quantize!r} needs a float32 model (it keeps the float32 "

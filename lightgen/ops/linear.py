@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -45,6 +47,23 @@ def linear_int8_dynamic(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     return _build.op("linear_int8_dynamic")(x, weight, scale, offset, sums, bias, act, out_features, group_size)
 
 
+def int8_dot_available() -> bool:
+    """Whether ``linear_int8_dynamic`` runs on VNNI here: the compiled AVX-512 kernels on a CPU reporting
+    avx512_vnni (the kernel asks the CPU itself too), not switched off by LIGHTGEN_DISABLE_VNNI=1."""
+    if _build._env_flag("LIGHTGEN_DISABLE_VNNI") or not _build.load().compiled or _build.cpu_isa() != "AVX512":
+        return False
+    return "avx512_vnni" in _cpu_flags()
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return frozenset(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
+    except OSError:  # not Linux: no VNNI path
+        return frozenset()
+
+
 ACT_FLOOR = 1e-30  # the kernel's kActFloor: a group of smaller magnitude (zeros) quantizes to 0, not NaN
 
 
@@ -59,7 +78,8 @@ def quantize_activations(x: torch.Tensor, group_size: int):
     amax = blocks.abs().amax(dim=2)
     finite = torch.isfinite(amax) & torch.isfinite(total)
     amax = amax.clamp_min(ACT_FLOOR)
-    inv = torch.where(finite, 127.0 / amax, 0.0)
+    inv = torch.where(finite, amax.new_tensor(127.0) / amax, 0.0)  # a true division, as the kernel's (127.0 / t
+    # would multiply by a rounded reciprocal)
     a = torch.round(torch.where(finite[..., None], blocks, 0.0) * inv[..., None]).clamp_(-127, 127)
     return a, torch.where(finite, amax / 127.0, torch.nan), total
 

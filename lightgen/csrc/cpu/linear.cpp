@@ -9,10 +9,12 @@
 #endif
 #include <torch/library.h>
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 #include <type_traits>
 #include "../include/act.h"
@@ -493,8 +495,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void dot_tile_vnni(const 
 
 bool has_vnni() {
   static const bool cpu = __builtin_cpu_supports("avx512vnni");
-  const char* off = std::getenv("LIGHTGEN_DISABLE_VNNI");  // per call: tests run the portable kernel too
-  return cpu && !(off && off[0] && off[0] != '0');
+  // LIGHTGEN_DISABLE_VNNI=1 (as lightgen/_build.py reads flags), per call: tests run the portable kernel too.
+  const char* env = std::getenv("LIGHTGEN_DISABLE_VNNI");
+  std::string off = env ? env : "";
+  for (char& c : off) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return cpu && !(off == "1" || off == "true" || off == "yes" || off == "on");
 }
 #else
 constexpr int64_t kDotRows = 1;
