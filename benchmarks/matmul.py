@@ -59,29 +59,32 @@ def decode_step_layers(shapes: str = "bart") -> list[nn.Linear]:
     return [nn.Linear(k, n, bias=bias).eval() for n, k, bias in SHAPES[shapes]]
 
 
-def provider_calls(layers: list[nn.Linear]) -> dict[str, list]:
-    """Per provider, one callable per layer taking x [M, K]."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao's deprecation notices
-        fbgemm = [torch.ao.quantization.quantize_dynamic(nn.Sequential(layer), {nn.Linear}, dtype=torch.qint8)
-                  for layer in layers]
-    onednn = [mkldnn.to_mkldnn(nn.Sequential(layer)) for layer in layers]
+def provider_calls(layers: list[nn.Linear], names=None) -> dict[str, list]:
+    """Per provider (``names``, with aten; default all), one callable per layer taking x [M, K]."""
+    names = set(names or PROVIDERS) | {"aten"}
+    def fbgemm():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao's deprecation notices
+            return [torch.ao.quantization.quantize_dynamic(nn.Sequential(layer), {nn.Linear}, dtype=torch.qint8)
+                    for layer in layers]
 
     def lightgen(precision):
         packed = [packed_weights(layer.weight, precision) for layer in layers]
         return [lambda x, w=weights, b=layer.bias: w.run(x, b) for weights, layer in zip(packed, layers, strict=True)]
 
-    return {
-        "aten": [lambda x, layer=layer: F.linear(x, layer.weight, layer.bias) for layer in layers],
-        "onednn": onednn,
-        "lightgen-inplace": [lambda x, layer=layer: ops.linear(x, layer.weight, None, layer.bias) for layer in layers],
-        "lightgen": lightgen(None),
-        "lightgen-bf16": lightgen("bf16"),
-        "lightgen-int8": lightgen("int8"),
-        "lightgen-int8-dynamic": lightgen("int8-dynamic"),
-        "lightgen-int4": lightgen("int4"),
+    makers = {  # built only when asked for: SmolLM2's step holds 538 MB of fp32 weights per copy
+        "aten": lambda: [lambda x, layer=layer: F.linear(x, layer.weight, layer.bias) for layer in layers],
+        "onednn": lambda: [mkldnn.to_mkldnn(nn.Sequential(layer)) for layer in layers],
+        "lightgen-inplace": lambda: [lambda x, layer=layer: ops.linear(x, layer.weight, None, layer.bias)
+                                     for layer in layers],
+        "lightgen": lambda: lightgen(None),
+        "lightgen-bf16": lambda: lightgen("bf16"),
+        "lightgen-int8": lambda: lightgen("int8"),
+        "lightgen-int8-dynamic": lambda: lightgen("int8-dynamic"),
+        "lightgen-int4": lambda: lightgen("int4"),
         "fbgemm-int8": fbgemm,
     }
+    return {name: make() for name, make in makers.items() if name in names}
 
 
 def step_fn(calls: list, inputs: dict[int, torch.Tensor], layers: list[nn.Linear]):
@@ -103,6 +106,7 @@ def relative_error(calls, layers, inputs) -> float:
 def options(parser) -> None:
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="bart", help="whose decode step (default bart)")
     parser.add_argument("--rows", type=int, nargs="+", help=f"rows per matmul (default {' '.join(map(str, ROWS))})")
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, help="only these (aten is always run)")
 
 
 def main(argv=None) -> None:
@@ -111,7 +115,8 @@ def main(argv=None) -> None:
     layers = decode_step_layers(args.shapes)
     env["shapes"] = args.shapes
     weight_bytes = sum(layer.weight.numel() for layer in layers) * 4
-    calls = provider_calls(layers)
+    calls = provider_calls(layers, args.providers)
+    env["providers"] = list(calls)
     meter = ContentionMeter()
     big = torch.randn(BANDWIDTH_FLOATS)
     bandwidth = BANDWIDTH_FLOATS * 4 / (measure({"sum": big.sum}, sampling)["sum"].median_us * 1e-6) / 1e9
@@ -121,7 +126,7 @@ def main(argv=None) -> None:
         for rows in args.rows or ((1, 8) if args.quick else ROWS):
             inputs = {k: torch.randn(rows, k) for k in {layer.in_features for layer in layers}}
             errors = {name: relative_error(fns, layers, inputs) for name, fns in calls.items()}
-            for name in ("lightgen", "lightgen-inplace"):
+            for name in {"lightgen", "lightgen-inplace"} & set(calls):
                 if errors[name] > 1e-5:
                     sys.exit(f"{name} fp32 differs from aten by {errors[name]:.2e} (relative) at {rows} rows")
             timings = measure({name: step_fn(fns, inputs, layers) for name, fns in calls.items()}, sampling)
@@ -144,29 +149,31 @@ def main(argv=None) -> None:
 
 
 def report(env: dict, results: list[dict]) -> None:
+    names = env["providers"]
     print(f"# decode-step matmuls ({env['shapes']}): {len(SHAPES[env['shapes']])} matmuls, layers + LM head, "
           f"{env['weight_mb_fp32']:.0f} MB fp32 weights\n")
     print("\n".join(machine_lines(env)))
     print(f"- memory bandwidth (256 MB sum, same run): {env['memory_bandwidth_gb_s']:.1f} GB/s\n")
     print("ms per step (× vs aten; GB/s of weights streamed, % of the measured bandwidth)\n")
-    print("| rows | " + " | ".join(PROVIDERS) + " |")
-    print("|---:|" + "---:|" * len(PROVIDERS))
+    print("| rows | " + " | ".join(names) + " |")
+    print("|---:|" + "---:|" * len(names))
     for entry in results:
         cells = []
-        for name in PROVIDERS:
+        for name in names:
             p = entry["providers"][name]
             cells.append(f"{p['ms']:.2f} ({format_speedup(p['vs_aten'])}; {p['weight_gb_s']:.0f} GB/s, "
                          f"{p['bandwidth_share']:.0%}){' ~' if p['noisy'] else ''}")
         print(f"| {entry['rows']} | " + " | ".join(cells) + " |")
     errors = ", ".join(f"{name} {max(e['providers'][name]['relative_error'] for e in results):.1e}"
-                       for name in PROVIDERS)
+                       for name in names)
     print(f"\nworst relative error vs aten fp32: {errors}; ~ marks a noisy timing")
 
 
 def chart(plt, env: dict, results: list[dict]):
+    names = env["providers"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     rows = [entry["rows"] for entry in results]
-    for name in PROVIDERS:
+    for name in names:
         ax.plot(rows, [entry["providers"][name]["ms"] for entry in results], marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("rows per matmul (batch × beams)")

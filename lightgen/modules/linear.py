@@ -6,7 +6,8 @@ columns stored k after k, one sequential stream per thread (benchmarks/matmul.py
 step: 28 GB/s at batch 1, 86% of the measured bandwidth, against 26 GB/s on the [N, K] layout and
 11 GB/s for MKL; 1.5x faster than [N, K] at batch 8).
 The copy costs, per packed layer, +100% of its fp32 weight bytes (fp32), +50% (bf16), +28% (int8: 8 bits
-+ a float scale per 32 weights), +19% (int4: 4 bits + a float scale and zero point per 32).
++ a float scale per 32 weights), +19% (int4: 4 bits + a float scale and zero point per 32), +56% (int8-dynamic
+on a VNNI CPU: int8's copy plus the dot-product layout, 8 bits + an int32 group sum per 32 more).
 ``pack=False`` keeps fp32 at zero extra memory and runs the kernels on the original layout (HF
 Conv1D's [K, N] weight is read as panels in place: fine in isolation, but 1.4x slower than packed in
 a GPT-2 decode step, where the strided rows miss DRAM pages).
@@ -22,7 +23,13 @@ import torch
 from torch import nn
 
 from lightgen import ops
-from lightgen.ops.linear import dequantize_grouped, int8_dot_available, pack_int8_dot, pack_panels, quantize_grouped
+from lightgen.ops.linear import (
+    dequantize_grouped,
+    int8_dot_available,
+    pack_int8_dot,
+    pack_panels,
+    quantize_grouped,
+)
 
 
 @dataclasses.dataclass(frozen=True)

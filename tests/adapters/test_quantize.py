@@ -8,7 +8,8 @@ import torch
 from models import BUILDERS, DECODER_ONLY, SEQ2SEQ, build, forward_logits, padded_batch, valid_positions
 
 import lightgen
-from lightgen.modules.linear import LinearWeights
+from lightgen.modules.linear import INT8_ACTIVATION_MIN_ROWS, LinearWeights
+from lightgen.ops.linear import int8_dot_available
 
 GENERATING = SEQ2SEQ + DECODER_ONLY
 # bf16 rounding (8 significant bits) moves these tiny random models' logits by under 1% of their norm. How much
@@ -16,7 +17,8 @@ GENERATING = SEQ2SEQ + DECODER_ONLY
 # are bounded relative to bf16's error on the same model: int8 groups round about as finely as bf16 (3-4x its
 # error measured), int4 16x more coarsely (27-51x measured on Llama, T5, Gemma 3).
 MAX_BF16_RELATIVE_ERROR = 0.01
-MAX_TIMES_BF16 = {"int8": 6.0, "int4": 80.0, "bf16": 1.0}
+# int8-dynamic also rounds activations to 8 bits per group of 32 (where the prefill's 36 rows run it).
+MAX_TIMES_BF16 = {"int8": 6.0, "int8-dynamic": 12.0, "int4": 80.0, "bf16": 1.0}
 
 
 def _relative_error(got, expected):
@@ -29,7 +31,7 @@ def _quantized_error(family, precision, ids, mask, expected):
     return _relative_error(forward_logits(model, family, ids, mask)[keep], expected[keep])
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("precision", ["int8", "int8-dynamic", "int4", "bf16"])
 @pytest.mark.parametrize("family", sorted(BUILDERS))
 def test_quantized_forward_is_close_and_state_dict_is_unchanged(family, precision):
     model = build(family, seed=3)
@@ -52,17 +54,31 @@ def test_quantized_forward_is_close_and_state_dict_is_unchanged(family, precisio
     assert all("_lightgen_linear" not in vars(m) for m in model.modules())
 
 
+@pytest.mark.parametrize("precision", ["int8", "int8-dynamic"])
 @pytest.mark.parametrize("family", GENERATING)
-def test_int8_generate_runs_the_engine_and_mostly_agrees_with_fp32(family):
+def test_int8_generate_runs_the_engine_and_mostly_agrees_with_fp32(family, precision, monkeypatch):
+    rows_run = []  # the row counts the int8-activation kernel ran
+
+    def counted(x, *args):
+        rows_run.append(x.numel() // x.shape[-1])
+        return dynamic(x, *args)
+
+    dynamic = lightgen.ops.linear_int8_dynamic
+    monkeypatch.setattr(lightgen.ops, "linear_int8_dynamic", counted)
     model = build(family, seed=4)
-    ids, mask = padded_batch(family, 4, 9, seed=4)
+    # int8-dynamic: batch 8 puts INT8_ACTIVATION_MIN_ROWS rows in every decode step's matmuls (int8 activations).
+    ids, mask = padded_batch(family, 4 if precision == "int8" else INT8_ACTIVATION_MIN_ROWS, 9, seed=4)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=1)
     expected = model.generate(**kwargs)
-    quantized = lightgen.accelerate_model(copy.deepcopy(model), quantize="int8")
+    quantized = lightgen.accelerate_model(copy.deepcopy(model), quantize=precision)
     got = quantized.generate(**kwargs)
     assert got.shape == expected.shape
     # Random-weight logits are nearly flat, so int8 rounding flips some argmaxes; most must survive.
     assert (got == expected).float().mean() >= 0.5
+    if precision == "int8" or not int8_dot_available():
+        assert rows_run == []
+    else:  # the prompt and every decode step (8 rows: one new token per sequence)
+        assert max(rows_run) > INT8_ACTIVATION_MIN_ROWS and rows_run.count(INT8_ACTIVATION_MIN_ROWS) >= 7
 
 
 def test_quantized_training_forward_uses_fp32_weights():
@@ -79,7 +95,7 @@ def test_quantized_training_forward_uses_fp32_weights():
 
 
 def test_quantize_options_are_checked():
-    with pytest.raises(ValueError, match="quantize must be one of int8, int4, bf16"):
+    with pytest.raises(ValueError, match="quantize must be one of int8, int8-dynamic, int4, bf16"):
         lightgen.accelerate_model(build("gpt2"), quantize="int2")
     with pytest.raises(ValueError, match="needs a float32 model"):
         lightgen.accelerate_model(build("gpt2", dtype=torch.bfloat16), quantize="int8")

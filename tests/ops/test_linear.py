@@ -3,7 +3,11 @@ import torch
 from conftest import linear_operand
 
 from lightgen import ops
-from lightgen.modules.linear import INT8_ACTIVATION_MIN_ROWS, QuantFormat, packed_weights
+from lightgen.modules.linear import (
+    INT8_ACTIVATION_MIN_ROWS,
+    QuantFormat,
+    packed_weights,
+)
 from lightgen.ops.linear import (
     dequantize_grouped,
     int8_dot_available,
@@ -261,7 +265,7 @@ def test_linear_int8_dynamic_matches_reference(monkeypatch, kernel, fmt, shape, 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_linear_int8_dynamic_zero_and_non_finite_groups(monkeypatch, kernel):
     _kernel(monkeypatch, kernel)
-    q, scale, offset, dot, sums = _dynamic(torch.randn(70, 40), QuantFormat(8, 8, True))
+    _, scale, offset, dot, sums = _dynamic(torch.randn(70, 40), QuantFormat(8, 8, True))
     x = torch.randn(4, 40)
     x[0] = 0.0
     x[1, :8] = 1e-38  # below the floor: rounds to 0, no inf from 127 / amax
@@ -275,7 +279,7 @@ def test_linear_int8_dynamic_zero_and_non_finite_groups(monkeypatch, kernel):
 
 def test_linear_int8_dynamic_bad_inputs_raise_named_errors():
     x = torch.randn(2, 16)
-    q, scale, offset, dot, sums = _dynamic(torch.randn(8, 16), QuantFormat(8, 4))
+    q, scale, _, dot, sums = _dynamic(torch.randn(8, 16), QuantFormat(8, 4))
     with pytest.raises(RuntimeError, match="group_size must be a positive multiple of 4, got 6"):
         ops.linear_int8_dynamic(x, dot, scale, None, sums, None, "none", 8, 6)
     with pytest.raises(RuntimeError, match="'weight' must be int8 \\[panels, 4, 64, 4\\] for in_features=16"):
