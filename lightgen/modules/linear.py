@@ -61,8 +61,12 @@ HEAD_PRECISION = {"int4": "int8"}  # the LM head's precision where it differs fr
 # 256 rows; the in-place layouts from 64 rows on are as fast as ATen's blocked GEMM or slower.
 PACKED_MAX_ROWS = 256
 IN_PLACE_MAX_ROWS = 48
-# int8-dynamic: from this many rows on the int8-activation kernel runs (below: linear_grouped, weight-only).
-INT8_ACTIVATION_MIN_ROWS = 8
+# int8-dynamic: from this many rows on the int8-activation kernel runs (below: linear_grouped, weight-only, exactly
+# quantize="int8"). benchmarks/matmul.py --shapes smollm2 (211 matmuls, 1 thread, AVX-512 VNNI Zen 4, other
+# processes on 52-67% of the CPUs), ms a step int8 / int8 activations: 1 row 13.4 / 14.6 and 19.3 / 17.7 (a tie:
+# both stream the same bytes, the weight-only one exactly), 2 rows 18.0 / 15.0 and 20.7 / 11.0, 4 rows
+# 17.2 / 14.6 and 28.3 / 23.1, 8 rows 30.1 / 17.8, 16: 56.4 / 27.9, 32: 109 / 49.9, 64: 304 / 150.
+INT8_ACTIVATION_MIN_ROWS = 2
 
 
 @dataclasses.dataclass(frozen=True)

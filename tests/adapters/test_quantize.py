@@ -66,7 +66,7 @@ def test_int8_generate_runs_the_engine_and_mostly_agrees_with_fp32(family, preci
     dynamic = lightgen.ops.linear_int8_dynamic
     monkeypatch.setattr(lightgen.ops, "linear_int8_dynamic", counted)
     model = build(family, seed=4)
-    # int8-dynamic: batch 8 puts INT8_ACTIVATION_MIN_ROWS rows in every decode step's matmuls (int8 activations).
+    # int8-dynamic: a batch of INT8_ACTIVATION_MIN_ROWS puts that many rows in every decode step's matmuls.
     ids, mask = padded_batch(family, 4 if precision == "int8" else INT8_ACTIVATION_MIN_ROWS, 9, seed=4)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=1)
     expected = model.generate(**kwargs)
@@ -77,7 +77,7 @@ def test_int8_generate_runs_the_engine_and_mostly_agrees_with_fp32(family, preci
     assert (got == expected).float().mean() >= 0.5
     if precision == "int8" or not int8_dot_available():
         assert rows_run == []
-    else:  # the prompt and every decode step (8 rows: one new token per sequence)
+    else:  # the prompt and every decode step (one new token per sequence)
         assert max(rows_run) > INT8_ACTIVATION_MIN_ROWS and rows_run.count(INT8_ACTIVATION_MIN_ROWS) >= 7
 
 
