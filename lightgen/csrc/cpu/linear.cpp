@@ -386,14 +386,28 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k_len, int64_t k4
                     std::vector<float>(m * groups)};
   at::parallel_for(0, m, row_grain(k_len), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
+      const float* xi = x + i * k_len;
+      uint8_t* q = out.q.data() + i * k4 * 4;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t k0 = g * group_size, k1 = std::min(k_len, k0 + group_size);
-        const float* xg = x + i * k_len;
         float amax = 0.f, total = 0.f;
-        for (int64_t k = k0; k < k1; ++k) {
-          amax = std::max(amax, std::abs(xg[k]));
-          total += xg[k];
+#if defined(CPU_CAPABILITY_AVX512)
+        // A NaN may drop out of the max; the sum keeps it (and inf is the max), so the check below sees both.
+        auto lanes = [&](int64_t k) { return static_cast<__mmask16>(k1 - k >= 16 ? 0xFFFF : (1u << (k1 - k)) - 1); };
+        __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k += 16) {
+          const __m512 v = _mm512_maskz_loadu_ps(lanes(k), xi + k);
+          vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+          vsum = _mm512_add_ps(vsum, v);
         }
+        amax = _mm512_reduce_max_ps(vmax);
+        total = _mm512_reduce_add_ps(vsum);
+#else
+        for (int64_t k = k0; k < k1; ++k) {
+          amax = std::max(amax, std::abs(xi[k]));
+          total += xi[k];
+        }
+#endif
         out.sum[i * groups + g] = total;
         if (!std::isfinite(amax) || !std::isfinite(total)) {  // inf / NaN: the group's a stay 0, its t NaN
           out.step[i * groups + g] = std::numeric_limits<float>::quiet_NaN();
@@ -402,16 +416,17 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k_len, int64_t k4
         amax = std::max(amax, kActFloor);
         const float inv = 127.f / amax;
         out.step[i * groups + g] = amax / 127.f;
-        uint8_t* q = out.q.data() + i * k4 * 4;
-        int64_t k = k0;
 #if defined(CPU_CAPABILITY_AVX512)
-        for (; k + 16 <= k1; k += 16) {  // the same rounding (to nearest even) as std::nearbyint below
-          __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + k), _mm512_set1_ps(inv)));
+        for (int64_t k = k0; k < k1; k += 16) {  // the same rounding (to nearest even) as std::nearbyint below
+          const __mmask16 mask = lanes(k);
+          __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, xi + k), _mm512_set1_ps(inv)));
           v = _mm512_min_epi32(_mm512_max_epi32(v, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_add_epi32(v, _mm512_set1_epi32(128))));
+          _mm512_mask_cvtepi32_storeu_epi8(q + k, mask, _mm512_add_epi32(v, _mm512_set1_epi32(128)));
         }
+#else
+        for (int64_t k = k0; k < k1; ++k)
+          q[k] = static_cast<uint8_t>(std::clamp(std::nearbyint(xi[k] * inv), -127.f, 127.f) + 128.f);
 #endif
-        for (; k < k1; ++k) q[k] = static_cast<uint8_t>(std::clamp(std::nearbyint(xg[k] * inv), -127.f, 127.f) + 128.f);
       }
     }
   });
