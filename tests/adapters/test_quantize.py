@@ -198,3 +198,15 @@ def test_int4_keeps_the_lm_head_at_int8(family):
     kinds = {m._lightgen_linear.weight.dtype for m in model.modules() if "_lightgen_linear" in vars(m) and m is not head}
     assert head._lightgen_linear.weight.dtype == torch.int8 and head._lightgen_linear.precision == "int8"
     assert kinds == {torch.uint8}
+
+
+def test_int8_dynamic_without_vnni_warns_and_runs_weight_only_int8(monkeypatch):
+    monkeypatch.setenv("LIGHTGEN_DISABLE_VNNI", "1")
+    model = build("llama", seed=9)
+    with pytest.warns(RuntimeWarning, match="needs AVX-512 VNNI .* run weight-only int8"):
+        dynamic = lightgen.accelerate_model(copy.deepcopy(model), quantize="int8-dynamic")
+    int8 = lightgen.accelerate_model(model, quantize="int8")
+    layers = [m._lightgen_linear for m in dynamic.modules() if "_lightgen_linear" in vars(m)]
+    assert layers and all(w.dot is None for w in layers)
+    ids, mask = padded_batch("llama", 3, 7, seed=9)
+    assert torch.equal(forward_logits(dynamic, "llama", ids, mask), forward_logits(int8, "llama", ids, mask))
