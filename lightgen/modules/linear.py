@@ -197,7 +197,7 @@ def check_precision(model: nn.Module, quantize: str | None) -> None:
     if quantize not in PRECISIONS:
         raise ValueError(f"accelerate_model: quantize must be one of {', '.join(PRECISIONS)} or None, got "
                          f"{quantize!r}")
-    if FORMATS.get(quantize, FORMATS["int8"]).activations and not int8_dot_available():
+    if quantize in FORMATS and FORMATS[quantize].activations and not int8_dot_available():
         warnings.warn(f"lightgen: quantize={quantize!r} needs AVX-512 VNNI and lightgen's compiled kernels; this "
                       "CPU or build has none, so its linear layers run weight-only int8 (quantize='int8')",
                       RuntimeWarning, stacklevel=3)
