@@ -2,7 +2,7 @@
 
     python benchmarks/matmul.py [--quick] [--out benchmarks/results]
 
-One decode step of a BART-size decoder runs 37 matmuls over 154 MB of fp32 weights: per layer
+One decode step of a BART-size decoder runs 49 matmuls over 154 MB of fp32 weights: per layer
 (6) self-attention q, k, v, out and cross-attention q, out (512x512), fc1 (2048x512) and fc2
 (512x2048), then the LM head (32000x512). They run back to back for M rows (batch x beams).
 Providers: ``aten`` (F.linear, MKL), ``onednn`` (weights packed by torch.utils.mkldnn),
