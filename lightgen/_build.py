@@ -36,6 +36,9 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 SCHEMA_FILE = CSRC / "lightgen_ops.cpp"
 NAMESPACE = "lightgen"
+# Ops with no CUDA kernel (on CUDA tensors their reference runs, with the fallback warning): linear_int8_dynamic's
+# int8 activations are for CPUs with AVX-512 VNNI; a GPU runs weight-only int8 (quantized layers stay on the CPU).
+CPU_ONLY = frozenset({"linear_int8_dynamic"})
 
 # Extra compiler flags per ATen CPU capability: we compile for what this machine runs, never more.
 _ISA_FLAGS = {

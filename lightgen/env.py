@@ -34,7 +34,7 @@ def report() -> dict:
     ops = {}
     for name in status.ops:
         cpu = "compiled" if status.compiled else f"reference fallback ({status.reason})"
-        ops[name] = {"cpu": cpu, "cuda": gpu}
+        ops[name] = {"cpu": cpu, "cuda": "n/a (CPU-only op)" if name in _build.CPU_ONLY and status.cuda else gpu}
     return {
         "lightgen": __version__,
         "python": platform.python_version(),

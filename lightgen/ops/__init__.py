@@ -10,7 +10,14 @@ from lightgen.ops.activation import ACTIVATIONS, bias_act, bias_act_ref, gated_a
 from lightgen.ops.attention import attention, attention_probs, attention_ref
 from lightgen.ops.beam import beam_topk, beam_topk_ref, greedy_tokens, refuses_non_finite
 from lightgen.ops.embedding import embedding, embedding_ref
-from lightgen.ops.linear import linear, linear_grouped, linear_grouped_ref, linear_ref
+from lightgen.ops.linear import (
+    linear,
+    linear_grouped,
+    linear_grouped_ref,
+    linear_int8_dynamic,
+    linear_int8_dynamic_ref,
+    linear_ref,
+)
 from lightgen.ops.norm import (
     add_layer_norm,
     add_layer_norm_ref,
@@ -43,6 +50,7 @@ __all__ = [
     "embedding",
     "linear",
     "linear_grouped",
+    "linear_int8_dynamic",
     "beam_topk",
     "greedy_tokens",
     "refuses_non_finite",
@@ -56,5 +64,6 @@ __all__ = [
     "embedding_ref",
     "linear_ref",
     "linear_grouped_ref",
+    "linear_int8_dynamic_ref",
     "beam_topk_ref",
 ]

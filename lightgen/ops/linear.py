@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,74 @@ def linear_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, o
     w = u * scale + offset (u in 0..15; ``offset`` None: symmetric, offset = -8 * scale).
     """
     return _build.op("linear_grouped")(x, weight, scale, offset, bias, act, out_features, group_size)
+
+
+def linear_int8_dynamic(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                        sums: torch.Tensor, bias: torch.Tensor | None, act: str, out_features: int,
+                        group_size: int) -> torch.Tensor:
+    """``linear_grouped``'s int8 weights (``weight``, ``sums``: ``pack_int8_dot`` of its panels; ``scale``,
+    ``offset`` its own) times int8 activations: each row's groups of ``group_size`` k (a multiple of 4) are
+    rounded by ``quantize_activations`` and multiplied in int32 (VNNI where the CPU has it). Lossy: x is
+    rounded to 8 bits per group, where ``linear_grouped`` takes it as it is.
+    """
+    return _build.op("linear_int8_dynamic")(x, weight, scale, offset, sums, bias, act, out_features, group_size)
+
+
+def int8_dot_available() -> bool:
+    """Whether ``linear_int8_dynamic`` runs on VNNI here: the compiled AVX-512 kernels on a CPU reporting
+    avx512_vnni (the kernel asks the CPU itself too), not switched off by LIGHTGEN_DISABLE_VNNI=1."""
+    if _build._env_flag("LIGHTGEN_DISABLE_VNNI") or not _build.load().compiled or _build.cpu_isa() != "AVX512":
+        return False
+    return "avx512_vnni" in _cpu_flags()
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return frozenset(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
+    except OSError:  # not Linux: no VNNI path
+        return frozenset()
+
+
+ACT_FLOOR = 1e-30  # the kernel's kActFloor: a group of smaller magnitude (zeros) quantizes to 0, not NaN
+
+
+def quantize_activations(x: torch.Tensor, group_size: int):
+    """x [M, K] float32 -> (a [M, G, group_size] float holding -127..127, step [M, G], group sums [M, G]):
+    x ~ a * step per group, step = amax / 127, a = round(x * (127 / amax)) (to nearest even); a group holding
+    inf or NaN gets step NaN, so its outputs are NaN, as float math would give."""
+    rows, in_features = x.shape
+    groups = -(-in_features // group_size)
+    blocks = F.pad(x, (0, groups * group_size - in_features)).view(rows, groups, group_size)
+    total = blocks.sum(dim=2)
+    amax = blocks.abs().amax(dim=2)
+    finite = torch.isfinite(amax) & torch.isfinite(total)
+    amax = amax.clamp_min(ACT_FLOOR)
+    inv = torch.where(finite, amax.new_tensor(127.0) / amax, 0.0)  # a true division, as the kernel's (127.0 / t
+    # would multiply by a rounded reciprocal)
+    a = torch.round(torch.where(finite[..., None], blocks, 0.0) * inv[..., None]).clamp_(-127, 127)
+    return a, torch.where(finite, amax / 127.0, torch.nan), total
+
+
+def pack_int8_dot(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 panels [P, K, 64] (``quantize_grouped``) -> (the dot-product layout [P, ceil(K / 4), 64, 4]: 4
+    consecutive k of a column per 32-bit lane, zero-padded; int32 [P, G, 64]: -128 x each group's sum of q,
+    which undoes the +128 that makes activations unsigned for vpdpbusd)."""
+    if weight.dtype != torch.int8 or group_size % 4:
+        raise ValueError(f"pack_int8_dot: needs int8 panels and a group_size that is a multiple of 4, got "
+                         f"{weight.dtype}, {group_size}")
+    panels, in_features, _ = weight.shape
+    k4, groups = -(-in_features // 4), -(-in_features // group_size)
+    padded = F.pad(weight, (0, 0, 0, groups * group_size - in_features))
+    sums = padded.view(panels, groups, group_size, PANEL).sum(dim=2, dtype=torch.int32) * -128
+    dot = padded[:, :k4 * 4].view(panels, k4, 4, PANEL).transpose(2, 3).contiguous()
+    return dot, sums
+
+
+def unpack_int8_dot(dot: torch.Tensor, in_features: int, out_features: int) -> torch.Tensor:
+    """The int8 q [N, K] held in ``pack_int8_dot``'s layout."""
+    return dot.permute(0, 2, 1, 3).reshape(-1, dot.shape[1] * 4)[:out_features, :in_features]
 
 
 def quantize_grouped(weight: torch.Tensor, bits: int, group_size: int, zero_points: bool = False):
@@ -124,6 +194,24 @@ def linear_grouped_ref(x, weight, scale, offset, bias, act, out_features, group_
     return _activation(act)(F.linear(x, w, bias))
 
 
+def linear_int8_dynamic_ref(x, weight, scale, offset, sums, bias, act, out_features, group_size):
+    """The specification: y = sum over groups g of step[m, g] scale[n, g] (sum_k a[m, k] q[n, k]) (+ offset[n, g]
+    x the float sum of row m's group g), + bias. ``sums`` is the kernel's means, not part of the result."""
+    in_features = x.shape[-1]
+    rows = x.reshape(-1, in_features)
+    a, step, total = quantize_activations(rows, group_size)
+    groups = a.shape[1]
+    q = F.pad(unpack_int8_dot(weight, in_features, out_features).float(), (0, groups * group_size - in_features))
+    dots = torch.einsum("mgk,ngk->mng", a, q.view(out_features, groups, group_size))  # integers, exact in fp32
+    per_group = unpack_panels(scale, out_features)  # [N, G]
+    y = (dots * step[:, None, :] * per_group).sum(dim=2)
+    if offset is not None:
+        y = y + total @ unpack_panels(offset, out_features).t()
+    if bias is not None:
+        y = y + bias
+    return _activation(act)(y).view(*x.shape[:-1], out_features)
+
+
 def _linear_fake(x, weight, scale, bias, act, out_features=-1):
     return x.new_empty((*x.shape[:-1], out_features if weight.dim() == 3 else weight.shape[0]))
 
@@ -132,5 +220,11 @@ def _linear_grouped_fake(x, weight, scale, offset, bias, act, out_features, grou
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-REFERENCES = {"linear": linear_ref, "linear_grouped": linear_grouped_ref}
-FAKES = {"linear": _linear_fake, "linear_grouped": _linear_grouped_fake}
+def _linear_int8_dynamic_fake(x, weight, scale, offset, sums, bias, act, out_features, group_size):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+REFERENCES = {"linear": linear_ref, "linear_grouped": linear_grouped_ref,
+              "linear_int8_dynamic": linear_int8_dynamic_ref}
+FAKES = {"linear": _linear_fake, "linear_grouped": _linear_grouped_fake,
+         "linear_int8_dynamic": _linear_int8_dynamic_fake}

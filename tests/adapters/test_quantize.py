@@ -8,7 +8,9 @@ import torch
 from models import BUILDERS, DECODER_ONLY, SEQ2SEQ, build, forward_logits, padded_batch, valid_positions
 
 import lightgen
-from lightgen.modules.linear import LinearWeights
+from lightgen.modules.decoder import DECODER_ATTR
+from lightgen.modules.linear import INT8_ACTIVATION_MIN_ROWS, LinearWeights
+from lightgen.ops.linear import int8_dot_available
 
 GENERATING = SEQ2SEQ + DECODER_ONLY
 # bf16 rounding (8 significant bits) moves these tiny random models' logits by under 1% of their norm. How much
@@ -16,7 +18,8 @@ GENERATING = SEQ2SEQ + DECODER_ONLY
 # are bounded relative to bf16's error on the same model: int8 groups round about as finely as bf16 (3-4x its
 # error measured), int4 16x more coarsely (27-51x measured on Llama, T5, Gemma 3).
 MAX_BF16_RELATIVE_ERROR = 0.01
-MAX_TIMES_BF16 = {"int8": 6.0, "int4": 80.0, "bf16": 1.0}
+# int8-dynamic also rounds activations to 8 bits per group of 32 (where the prefill's 36 rows run it).
+MAX_TIMES_BF16 = {"int8": 6.0, "int8-dynamic": 12.0, "int4": 80.0, "bf16": 1.0}
 
 
 def _relative_error(got, expected):
@@ -29,7 +32,7 @@ def _quantized_error(family, precision, ids, mask, expected):
     return _relative_error(forward_logits(model, family, ids, mask)[keep], expected[keep])
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("precision", ["int8", "int8-dynamic", "int4", "bf16"])
 @pytest.mark.parametrize("family", sorted(BUILDERS))
 def test_quantized_forward_is_close_and_state_dict_is_unchanged(family, precision):
     model = build(family, seed=3)
@@ -52,17 +55,39 @@ def test_quantized_forward_is_close_and_state_dict_is_unchanged(family, precisio
     assert all("_lightgen_linear" not in vars(m) for m in model.modules())
 
 
+@pytest.mark.parametrize("precision", ["int8", "int8-dynamic"])
 @pytest.mark.parametrize("family", GENERATING)
-def test_int8_generate_runs_the_engine_and_mostly_agrees_with_fp32(family):
+def test_int8_generate_runs_the_engine_and_mostly_agrees_with_fp32(family, precision, monkeypatch):
+    rows_run = {"linear_grouped": [], "linear_int8_dynamic": []}  # the row counts each int8 kernel ran
+
+    def counted(name):
+        kernel = getattr(lightgen.ops, name)
+
+        def run(x, *args):
+            rows_run[name].append(x.numel() // x.shape[-1])
+            return kernel(x, *args)
+        return run
+
+    for name in rows_run:
+        monkeypatch.setattr(lightgen.ops, name, counted(name))
     model = build(family, seed=4)
-    ids, mask = padded_batch(family, 4, 9, seed=4)
+    # int8-dynamic: a batch of INT8_ACTIVATION_MIN_ROWS puts that many rows in every decode step's matmuls.
+    ids, mask = padded_batch(family, 4 if precision == "int8" else INT8_ACTIVATION_MIN_ROWS, 9, seed=4)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=1)
     expected = model.generate(**kwargs)
-    quantized = lightgen.accelerate_model(copy.deepcopy(model), quantize="int8")
+    quantized = lightgen.accelerate_model(copy.deepcopy(model), quantize=precision)
+    # The Python step, whose kernel calls the counters see (the native step calls the same: test_native_step.py).
+    getattr(quantized, DECODER_ATTR).native_reason = "the test counts the Python step's kernel calls"
     got = quantized.generate(**kwargs)
     assert got.shape == expected.shape
     # Random-weight logits are nearly flat, so int8 rounding flips some argmaxes; most must survive.
     assert (got == expected).float().mean() >= 0.5
+    if precision == "int8" or not int8_dot_available():
+        assert rows_run["linear_int8_dynamic"] == [] and rows_run["linear_grouped"]
+    else:  # int8 activations on the prompt and wherever a step has that many rows; the weight-only kernel below
+        assert max(rows_run["linear_int8_dynamic"]) > INT8_ACTIVATION_MIN_ROWS
+        assert min(rows_run["linear_int8_dynamic"]) >= INT8_ACTIVATION_MIN_ROWS
+        assert all(rows < INT8_ACTIVATION_MIN_ROWS for rows in rows_run["linear_grouped"])
 
 
 def test_quantized_training_forward_uses_fp32_weights():
@@ -79,7 +104,7 @@ def test_quantized_training_forward_uses_fp32_weights():
 
 
 def test_quantize_options_are_checked():
-    with pytest.raises(ValueError, match="quantize must be one of int8, int4, bf16"):
+    with pytest.raises(ValueError, match="quantize must be one of int8, int8-dynamic, int4, bf16"):
         lightgen.accelerate_model(build("gpt2"), quantize="int2")
     with pytest.raises(ValueError, match="needs a float32 model"):
         lightgen.accelerate_model(build("gpt2", dtype=torch.bfloat16), quantize="int8")
@@ -176,3 +201,15 @@ def test_int4_keeps_the_lm_head_at_int8(family):
     kinds = {m._lightgen_linear.weight.dtype for m in model.modules() if "_lightgen_linear" in vars(m) and m is not head}
     assert head._lightgen_linear.weight.dtype == torch.int8 and head._lightgen_linear.precision == "int8"
     assert kinds == {torch.uint8}
+
+
+def test_int8_dynamic_without_vnni_warns_and_runs_weight_only_int8(monkeypatch):
+    monkeypatch.setenv("LIGHTGEN_DISABLE_VNNI", "1")
+    model = build("llama", seed=9)
+    with pytest.warns(RuntimeWarning, match="needs AVX-512 VNNI .* run weight-only int8"):
+        dynamic = lightgen.accelerate_model(copy.deepcopy(model), quantize="int8-dynamic")
+    int8 = lightgen.accelerate_model(model, quantize="int8")
+    layers = [m._lightgen_linear for m in dynamic.modules() if "_lightgen_linear" in vars(m)]
+    assert layers and all(w.dot is None for w in layers)
+    ids, mask = padded_batch("llama", 3, 7, seed=9)
+    assert torch.equal(forward_logits(dynamic, "llama", ids, mask), forward_logits(int8, "llama", ids, mask))

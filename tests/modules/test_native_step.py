@@ -59,7 +59,9 @@ def _scenario(decoder, native: bool, ids, mask):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(("quantize", "pack"), [(None, True), ("int8", True), ("int4", True), ("bf16", True),
-                                                (None, False)], ids=["fp32", "int8", "int4", "bf16", "fp32-in-place"])
+                                                ("int8-dynamic", True), (None, False)],
+                         ids=["fp32", "int8", "int4", "bf16", "int8-dynamic", "fp32-in-place"])
+@pytest.mark.filterwarnings("ignore:lightgen. quantize='int8-dynamic' needs AVX-512 VNNI")
 def test_native_step_is_bit_identical_to_the_python_step(family, quantize, pack):
     """Packed weights run each layer's q/k/v and gate/up in one parallel loop (linear_panels); in place, one by one."""
     decoder = _decoder(lightgen.accelerate_model(build(family, seed=4), quantize=quantize, pack=pack))
@@ -119,7 +121,8 @@ LAYER_NORM_FAMILIES = ("bart", "mbart", "marian", "m2m_100", "pegasus", "opt")
 
 
 @pytest.mark.parametrize("family", LAYER_NORM_FAMILIES)
-@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("quantize", [None, "int8", "int8-dynamic"])
+@pytest.mark.filterwarnings("ignore:lightgen. quantize='int8-dynamic' needs AVX-512 VNNI")
 def test_layer_norm_and_cross_attention_families_step_natively_bit_identical(family, quantize):
     """Their logits from generate (greedy with padding, beams reordering rows and the cross-attention's sentences)
     with the native step equal the Python step's bit for bit, and the tokens are unpatched HF's."""
@@ -178,7 +181,7 @@ def test_the_native_op_names_what_is_wrong_with_its_arguments():
     state = decoder.start(2, 6, torch.float32, "cpu")
     hidden = torch.randn(2, 1, decoder.spec.token_embedding.shape[1])
     try:
-        with pytest.raises(RuntimeError, match="'weights' must hold 44 tensors per layer"):
+        with pytest.raises(RuntimeError, match="'weights' must hold 62 tensors per layer"):
             native_step.run(dataclasses.replace(plan, tensors=plan.tensors[:-1]), state, hidden, None, None)
         with pytest.raises(RuntimeError, match="the caches decode 2 rows but 'hidden' has 3"):
             native_step.run(plan, state, torch.randn(3, 1, hidden.shape[-1]), None, None)

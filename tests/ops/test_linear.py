@@ -1,13 +1,22 @@
+import math
+
 import pytest
 import torch
 from conftest import linear_operand
 
 from lightgen import ops
-from lightgen.modules.linear import QuantFormat, packed_weights
+from lightgen.modules.linear import (
+    INT8_ACTIVATION_MIN_ROWS,
+    QuantFormat,
+    packed_weights,
+)
 from lightgen.ops.linear import (
     dequantize_grouped,
+    int8_dot_available,
+    pack_int8_dot,
     pack_panels,
     quantize_grouped,
+    unpack_int8_dot,
     unpack_panels,
 )
 
@@ -199,3 +208,115 @@ def test_opcheck_grouped(fmt):
     torch.library.opcheck(torch.ops.lightgen.linear_grouped.default,
                           (torch.randn(3, 33), packed.weight, packed.scale, packed.offset, torch.randn(24), "gelu",
                            24, 8))
+
+
+# int8 activations (quantize="int8-dynamic"): group sizes 4 (the smallest the dot layout takes), partial groups,
+# one group wider than K, zero points.
+DYNAMIC_FORMATS = [QuantFormat(8, 32), QuantFormat(8, 32, True), QuantFormat(8, 4), QuantFormat(8, 12, True),
+                   QuantFormat(8, 128)]
+DYNAMIC_IDS = [f"g{f.group_size}{'-zp' if f.zero_points else ''}" for f in DYNAMIC_FORMATS]
+KERNELS = ["vnni", "portable"]
+
+
+def _dynamic(weight, fmt):
+    q, scale, offset = quantize_grouped(weight, 8, fmt.group_size, fmt.zero_points)
+    dot, sums = pack_int8_dot(q, fmt.group_size)
+    return q, scale, offset, dot, sums
+
+
+def _kernel(monkeypatch, kernel):
+    if kernel == "vnni" and not int8_dot_available():
+        pytest.skip("this CPU or build has no AVX-512 VNNI")
+    monkeypatch.setenv("LIGHTGEN_DISABLE_VNNI", "1" if kernel == "portable" else "0")
+
+
+def test_int8_dot_layout_round_trips_and_sums_its_groups():
+    q, _, _, dot, sums = _dynamic(torch.randn(70, 45), QuantFormat(8, 12))
+    assert dot.shape == (2, 12, 64, 4) and sums.shape == (2, 4, 64) and sums.dtype == torch.int32
+    assert torch.equal(unpack_int8_dot(dot, 45, 70), unpack_panels(q, 70))
+    groups = torch.nn.functional.pad(unpack_panels(q, 70).int(), (0, 3)).view(70, 4, 12).sum(dim=2)
+    assert torch.equal(unpack_panels(sums, 70), -128 * groups)
+    assert dot[:, 11, :, 1:].eq(0).all() and dot[1, :, 6:].eq(0).all()  # padding k and columns
+    with pytest.raises(ValueError, match="multiple of 4"):
+        pack_int8_dot(q, 6)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("fmt", DYNAMIC_FORMATS, ids=DYNAMIC_IDS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 40])
+def test_linear_int8_dynamic_matches_reference(monkeypatch, kernel, fmt, shape, rows):
+    _kernel(monkeypatch, kernel)
+    gen = torch.Generator().manual_seed(rows * 100 + shape[0])
+    weight = torch.randn(*shape, generator=gen)
+    q, scale, offset, dot, sums = _dynamic(weight, fmt)
+    x, bias = torch.randn(rows, shape[1], generator=gen), torch.randn(shape[0], generator=gen)
+    w = dequantize_grouped(q, scale, offset, fmt.group_size, shape[1], shape[0])
+    # The integer dot products are exact; what differs is the float sum over groups (and the offsets' x sums).
+    bound = 2e-5 + 2e-7 * (x.abs() @ w.abs().t() + bias.abs())
+    for b, act in ((bias, "none"), (None, "none"), (bias, "silu")):
+        args = (x, dot, scale, offset, sums, b, act, shape[0], fmt.group_size)
+        got, expected = ops.linear_int8_dynamic(*args), ops.linear_int8_dynamic_ref(*args)
+        assert (got - expected).abs().le(bound).all(), (got - expected).abs().max()
+    # Lossy against the weight-only path by about int8's step on x: well under a percent of the output's scale.
+    weight_only = ops.linear_grouped(x, q, scale, offset, bias, "none", shape[0], fmt.group_size)
+    got = ops.linear_int8_dynamic(x, dot, scale, offset, sums, bias, "none", shape[0], fmt.group_size)
+    assert (got - weight_only).norm() <= 0.02 * (x.abs() @ w.abs().t()).norm()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_linear_int8_dynamic_zero_and_non_finite_groups(monkeypatch, kernel):
+    _kernel(monkeypatch, kernel)
+    _, scale, offset, dot, sums = _dynamic(torch.randn(70, 40), QuantFormat(8, 8, True))
+    x = torch.randn(4, 40)
+    x[0] = 0.0
+    x[1, :8] = 1e-38  # below the floor: rounds to 0, no inf from 127 / amax
+    x[2, 17], x[3, 39] = float("inf"), float("nan")
+    args = (dot, scale, offset, sums, None, "none", 70, 8)
+    got, expected = ops.linear_int8_dynamic(x, *args), ops.linear_int8_dynamic_ref(x, *args)
+    assert got[0].eq(0).all() and torch.isfinite(got[1]).all()
+    assert got[2:].isnan().all() and expected[2:].isnan().all()
+    torch.testing.assert_close(got[:2], expected[:2], atol=1e-5, rtol=1e-5)
+
+
+def test_linear_int8_dynamic_bad_inputs_raise_named_errors():
+    x = torch.randn(2, 16)
+    q, scale, _, dot, sums = _dynamic(torch.randn(8, 16), QuantFormat(8, 4))
+    with pytest.raises(RuntimeError, match="group_size must be a positive multiple of 4, got 6"):
+        ops.linear_int8_dynamic(x, dot, scale, None, sums, None, "none", 8, 6)
+    with pytest.raises(RuntimeError, match="'weight' must be int8 \\[panels, 4, 64, 4\\] for in_features=16"):
+        ops.linear_int8_dynamic(x, q, scale, None, sums, None, "none", 8, 4)
+    with pytest.raises(RuntimeError, match="'sums' must be a Int tensor of shape \\[1, 4, 64\\]"):
+        ops.linear_int8_dynamic(x, dot, scale, None, sums.float(), None, "none", 8, 4)
+    with pytest.raises(RuntimeError, match="'x' must be float32"):
+        ops.linear_int8_dynamic(x.double(), dot, scale, None, sums, None, "none", 8, 4)
+    with pytest.raises(RuntimeError, match="packed weights need out_features in \\(0, 64\\], got 65"):
+        ops.linear_int8_dynamic(x, dot, scale, None, sums, None, "none", 65, 4)
+
+
+@pytest.mark.parametrize("zero_points", [False, True], ids=["int8", "int8-zp"])
+def test_opcheck_int8_dynamic(zero_points):
+    _, scale, offset, dot, sums = _dynamic(torch.randn(24, 33), QuantFormat(8, 8, zero_points))
+    torch.library.opcheck(torch.ops.lightgen.linear_int8_dynamic.default,
+                          (torch.randn(3, 33), dot, scale, offset, sums, torch.randn(24), "gelu", 24, 8))
+
+
+def test_int8_dynamic_weights_choose_the_kernel_by_rows(monkeypatch):
+    """Below INT8_ACTIVATION_MIN_ROWS rows the weight-only kernel runs (bit-identical to quantize="int8"), from
+    there on the int8-activation one; without VNNI only the weight-only one."""
+    weight, bias = torch.randn(96, 80), torch.randn(96)
+    int8 = packed_weights(weight, "int8")
+    if not int8_dot_available():
+        assert packed_weights(weight, "int8-dynamic").dot is None
+        pytest.skip("this CPU or build has no AVX-512 VNNI")
+    dynamic = packed_weights(weight, "int8-dynamic")
+    assert torch.equal(dynamic.weight, int8.weight) and dynamic.dot is not None
+    assert dynamic.max_rows == math.inf  # the native decode step runs both kernels, as run() picks them
+    for rows in (1, INT8_ACTIVATION_MIN_ROWS - 1, INT8_ACTIVATION_MIN_ROWS, 33):
+        x = torch.randn(rows, 80)
+        expected = (ops.linear_int8_dynamic(x, dynamic.dot, dynamic.scale, dynamic.offset, dynamic.dot_sums, bias,
+                                            "none", 96, 32)
+                    if rows >= INT8_ACTIVATION_MIN_ROWS else int8.run(x, bias))
+        assert torch.equal(dynamic.run(x, bias), expected), rows
+    monkeypatch.setenv("LIGHTGEN_DISABLE_VNNI", "1")
+    assert packed_weights(weight, "int8-dynamic").dot is None

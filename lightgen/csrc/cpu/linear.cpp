@@ -9,6 +9,13 @@
 #endif
 #include <torch/library.h>
 #include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
 #include <type_traits>
 #include "../include/act.h"
 #include "../include/checks.h"
@@ -217,27 +224,26 @@ inline void panel_tile(const float* x, int64_t ld_x, const W* w, int64_t ld_w, i
     for (int64_t v = 0; v < kPanelVecs; ++v) Lanes::store(y + i * ld_y + v * Lanes::size, acc[i][v]);
 }
 
+// rows_constant<r>(rows, f): f(std::integral_constant<int64_t, rows>{}) for a runtime 1 <= rows <= r.
+template <int64_t r, typename F>
+inline void rows_constant(int64_t rows, const F& f) {
+  if constexpr (r > 1) {
+    if (rows < r) return rows_constant<r - 1>(rows, f);
+  }
+  f(std::integral_constant<int64_t, r>{});
+}
+
 // One panel (kPanel columns starting at y) for all m rows; ``cols`` < kPanel for a packed tail panel,
-// whose padding columns go to a scratch row instead of y. ``tile(rows_constant, x_rows, out, ld_out)``
-// computes up to kPanelRows rows of the panel.
-template <typename Tile>
-void panel_rows(const float* x, int64_t m, int64_t k_len, int64_t cols, float* y, int64_t ld_y, const Tile& tile) {
-  float scratch[kPanelRows * kPanel];
-  for (int64_t i = 0; i < m; i += kPanelRows) {
-    const int64_t rows = std::min(kPanelRows, m - i);
+// whose padding columns go to a scratch row instead of y. ``tile(rows_constant, first_row, out, ld_out)``
+// computes up to tile_rows rows of the panel.
+template <int64_t tile_rows = kPanelRows, typename Tile>
+void panel_rows(int64_t m, int64_t cols, float* y, int64_t ld_y, const Tile& tile) {
+  float scratch[tile_rows * kPanel];
+  for (int64_t i = 0; i < m; i += tile_rows) {
+    const int64_t rows = std::min(tile_rows, m - i);
     float* out = cols == kPanel ? y + i * ld_y : scratch;
     const int64_t ld_out = cols == kPanel ? ld_y : kPanel;
-    const float* xi = x + i * k_len;
-    if constexpr (kPanelRows == 4) {
-      switch (rows) {
-        case 4: tile(std::integral_constant<int64_t, 4>{}, xi, out, ld_out); break;
-        case 3: tile(std::integral_constant<int64_t, 3>{}, xi, out, ld_out); break;
-        case 2: tile(std::integral_constant<int64_t, 2>{}, xi, out, ld_out); break;
-        default: tile(std::integral_constant<int64_t, 1>{}, xi, out, ld_out); break;
-      }
-    } else {
-      tile(std::integral_constant<int64_t, 1>{}, xi, out, ld_out);
-    }
+    rows_constant<tile_rows>(rows, [&](auto r) { tile(r, i, out, ld_out); });
     if (out == scratch)
       for (int64_t r = 0; r < rows; ++r) std::copy(scratch + r * kPanel, scratch + r * kPanel + cols, y + (i + r) * ld_y);
   }
@@ -246,8 +252,8 @@ void panel_rows(const float* x, int64_t m, int64_t k_len, int64_t cols, float* y
 template <typename W>
 void panel_columns(const float* x, int64_t m, int64_t k_len, const W* w, int64_t ld_w, int64_t cols, float* y,
                    int64_t ld_y) {
-  panel_rows(x, m, k_len, cols, y, ld_y, [&](auto rows, const float* xi, float* out, int64_t ld_out) {
-    panel_tile<decltype(rows)::value>(xi, k_len, w, ld_w, k_len, out, ld_out);
+  panel_rows(m, cols, y, ld_y, [&](auto rows, int64_t i, float* out, int64_t ld_out) {
+    panel_tile<decltype(rows)::value>(x + i * k_len, k_len, w, ld_w, k_len, out, ld_out);
   });
 }
 
@@ -399,10 +405,192 @@ void grouped_panel(const PanelJob& job, const float* x, int64_t m, int64_t k_len
   const void* wp = static_cast<const int8_t*>(job.w) + panel * panel_k * kPanel;
   const float* sp = job.scale + panel * job.groups * kPanel;
   const float* op = job.offset ? job.offset + panel * job.groups * kPanel : nullptr;
-  panel_rows(x, m, k_len, std::min(kPanel, job.n - col), job.y + col, job.n,
-             [&](auto rows, const float* xi, float* out, int64_t ld_out) {
-               grouped_tile<decltype(rows)::value, nibbles>(xi, k_len, wp, k_len, job.group_size, sp, op, out, ld_out);
-             });
+  panel_rows(m, std::min(kPanel, job.n - col), job.y + col, job.n, [&](auto rows, int64_t i, float* out, int64_t ld_out) {
+    grouped_tile<decltype(rows)::value, nibbles>(x + i * k_len, k_len, wp, k_len, job.group_size, sp, op, out, ld_out);
+  });
+}
+
+// int8 activations (lightgen.linear_int8_dynamic): each row's group of group_size k (the weight's groups) is
+// rounded to a = round(x * 127 / amax) in -127..127 with its own step t = amax / 127, so a group's integer dot
+// product I = sum a q is exact in int32 and y = sum_g t s[g] I[g] (+ offset[g] * sum_g x, the exact float sum).
+// vpdpbusd multiplies unsigned by signed bytes: activations go in as a + 128 (1..255) and each group's
+// accumulator starts at -128 * sum_g q (``sums``, made at pack time), which takes the shift back out exactly.
+// The weight is in its own layout [P, ceil(K / 4), 64, 4]: 4 consecutive k of a column per 32-bit lane.
+constexpr float kActFloor = 1e-30f;  // groups of smaller magnitude (zeros) quantize to 0 without inf / NaN
+
+struct QuantizedRows {
+  std::vector<uint8_t> q;  // [M, k4 * 4]: a + 128, padding k = 128 (a = 0)
+  std::vector<float> step, sum;  // [M, G]: t (NaN for a group holding inf / NaN) and the group's float sum
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k_len, int64_t k4, int64_t group_size) {
+  const int64_t groups = (k_len + group_size - 1) / group_size;
+  QuantizedRows out{std::vector<uint8_t>(m * k4 * 4, 128), std::vector<float>(m * groups),
+                    std::vector<float>(m * groups)};
+  at::parallel_for(0, m, row_grain(k_len), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xi = x + i * k_len;
+      uint8_t* q = out.q.data() + i * k4 * 4;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t k0 = g * group_size, k1 = std::min(k_len, k0 + group_size);
+        float amax = 0.f, total = 0.f;
+#if defined(CPU_CAPABILITY_AVX512)
+        // A NaN may drop out of the max; the sum keeps it (and inf is the max), so the check below sees both.
+        auto lanes = [&](int64_t k) { return static_cast<__mmask16>(k1 - k >= 16 ? 0xFFFF : (1u << (k1 - k)) - 1); };
+        __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k += 16) {
+          const __m512 v = _mm512_maskz_loadu_ps(lanes(k), xi + k);
+          vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+          vsum = _mm512_add_ps(vsum, v);
+        }
+        amax = _mm512_reduce_max_ps(vmax);
+        total = _mm512_reduce_add_ps(vsum);
+#else
+        for (int64_t k = k0; k < k1; ++k) {
+          amax = std::max(amax, std::abs(xi[k]));
+          total += xi[k];
+        }
+#endif
+        out.sum[i * groups + g] = total;
+        if (!std::isfinite(amax) || !std::isfinite(total)) {  // inf / NaN: the group's a stay 0, its t NaN
+          out.step[i * groups + g] = std::numeric_limits<float>::quiet_NaN();
+          continue;
+        }
+        amax = std::max(amax, kActFloor);
+        const float inv = 127.f / amax;
+        out.step[i * groups + g] = amax / 127.f;
+#if defined(CPU_CAPABILITY_AVX512)
+        for (int64_t k = k0; k < k1; k += 16) {  // the same rounding (to nearest even) as std::nearbyint below
+          const __mmask16 mask = lanes(k);
+          __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, xi + k), _mm512_set1_ps(inv)));
+          v = _mm512_min_epi32(_mm512_max_epi32(v, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+          _mm512_mask_cvtepi32_storeu_epi8(q + k, mask, _mm512_add_epi32(v, _mm512_set1_epi32(128)));
+        }
+#else
+        for (int64_t k = k0; k < k1; ++k)
+          q[k] = static_cast<uint8_t>(std::clamp(std::nearbyint(xi[k] * inv), -127.f, 127.f) + 128.f);
+#endif
+      }
+    }
+  });
+  return out;
+}
+
+// What one rows x 64 tile of a panel needs: the quantized rows and the panel's weights, scales, offsets, sums.
+struct DotPanel {
+  const uint8_t* q;  // first row's activations; row stride k4 * 4
+  const float* step;  // [rows, G]
+  const float* sum;
+  const int8_t* w;  // [k4, 64, 4]
+  const float* scale;  // [G, 64]
+  const float* offset;  // [G, 64] or null
+  const int32_t* sums;  // [G, 64]: -128 * sum of the group's q
+  int64_t k4, group4, groups;
+};
+
+// Any CPU: the same integers, one column at a time.
+template <int64_t rows>
+void dot_tile_portable(const DotPanel& p, float* y, int64_t ld_y) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint8_t* q = p.q + i * p.k4 * 4;
+    for (int64_t c = 0; c < kPanel; ++c) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < p.groups; ++g) {
+        int32_t dot = p.sums[g * kPanel + c];
+        for (int64_t k4 = g * p.group4; k4 < std::min(p.k4, (g + 1) * p.group4); ++k4)
+          for (int64_t b = 0; b < 4; ++b) dot += int32_t(q[k4 * 4 + b]) * int32_t(p.w[(k4 * kPanel + c) * 4 + b]);
+        acc += float(dot) * (p.scale[g * kPanel + c] * p.step[i * p.groups + g]);
+        if (p.offset) acc += p.offset[g * kPanel + c] * p.sum[i * p.groups + g];
+      }
+      y[i * ld_y + c] = acc;
+    }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// AVX-512 VNNI, compiled for it here and run only where the CPU reports it (has_vnni). 3 rows x 4 vectors of 16
+// columns: 12 int32 and 12 float accumulators, 4 weight vectors and a broadcast fit the 32 registers.
+constexpr int64_t kDotRows = 3;
+
+template <int64_t rows>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void dot_tile_vnni(const DotPanel& p, float* y,
+                                                                          int64_t ld_y) {
+  __m512 acc[rows][4];
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m512i dot[rows][4];
+    for (int64_t v = 0; v < 4; ++v) {
+      const __m512i start = _mm512_loadu_si512(p.sums + g * kPanel + v * 16);
+      for (int64_t i = 0; i < rows; ++i) dot[i][v] = start;
+    }
+    for (int64_t k4 = g * p.group4, end = std::min(p.k4, k4 + p.group4); k4 < end; ++k4) {
+      __m512i wv[4];
+      for (int64_t v = 0; v < 4; ++v) wv[v] = _mm512_loadu_si512(p.w + k4 * kPanel * 4 + v * 64);
+      for (int64_t i = 0; i < rows; ++i) {
+        int32_t four;
+        std::memcpy(&four, p.q + i * p.k4 * 4 + k4 * 4, 4);
+        const __m512i a = _mm512_set1_epi32(four);
+        for (int64_t v = 0; v < 4; ++v) dot[i][v] = _mm512_dpbusd_epi32(dot[i][v], a, wv[v]);
+      }
+    }
+    for (int64_t v = 0; v < 4; ++v) {
+      const __m512 d = _mm512_loadu_ps(p.scale + g * kPanel + v * 16);
+      for (int64_t i = 0; i < rows; ++i) {
+        const __m512 dt = _mm512_mul_ps(d, _mm512_set1_ps(p.step[i * p.groups + g]));
+        acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][v]), dt, acc[i][v]);
+      }
+      if (p.offset) {
+        const __m512 o = _mm512_loadu_ps(p.offset + g * kPanel + v * 16);
+        for (int64_t i = 0; i < rows; ++i)
+          acc[i][v] = _mm512_fmadd_ps(o, _mm512_set1_ps(p.sum[i * p.groups + g]), acc[i][v]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t v = 0; v < 4; ++v) _mm512_storeu_ps(y + i * ld_y + v * 16, acc[i][v]);
+}
+
+bool has_vnni() {
+  static const bool cpu = __builtin_cpu_supports("avx512vnni");
+  // LIGHTGEN_DISABLE_VNNI=1 (as lightgen/_build.py reads flags), per call: tests run the portable kernel too.
+  const char* env = std::getenv("LIGHTGEN_DISABLE_VNNI");
+  std::string off = env ? env : "";
+  for (char& c : off) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return cpu && !(off == "1" || off == "true" || off == "yes" || off == "on");
+}
+#else
+constexpr int64_t kDotRows = 1;
+#endif
+
+void linear_rows_int8_dynamic(const float* x, int64_t m, int64_t k_len, const int8_t* w, int64_t n,
+                              int64_t group_size, const float* scale, const float* offset, const int32_t* sums,
+                              const float* bias, Act act, float* y) {
+  const int64_t k4 = (k_len + 3) / 4, groups = (k_len + group_size - 1) / group_size;
+  const QuantizedRows rows = quantize_rows(x, m, k_len, k4, group_size);
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool vnni = has_vnni();
+#else
+  constexpr bool vnni = false;
+#endif
+  at::parallel_for(0, (n + kPanel - 1) / kPanel, panel_grain(k_len, 1), [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t col = panel * kPanel, at = panel * groups * kPanel;
+      DotPanel p{nullptr, nullptr, nullptr, w + panel * k4 * kPanel * 4, scale + at, offset ? offset + at : nullptr,
+                 sums + at, k4, group_size / 4, groups};
+      panel_rows<kDotRows>(m, std::min(kPanel, n - col), y + col, n, [&](auto r, int64_t i, float* out, int64_t ld) {
+        DotPanel tile = p;
+        tile.q = rows.q.data() + i * k4 * 4;
+        tile.step = rows.step.data() + i * groups;
+        tile.sum = rows.sum.data() + i * groups;
+#if defined(CPU_CAPABILITY_AVX512)
+        if (vnni) return dot_tile_vnni<decltype(r)::value>(tile, out, ld);
+#endif
+        dot_tile_portable<decltype(r)::value>(tile, out, ld);
+      });
+    }
+    run_epilogue(act, y, m, n, begin * kPanel, std::min(n, end * kPanel), nullptr, bias);
+  });
 }
 
 template <typename W>
@@ -594,9 +782,60 @@ std::vector<Tensor> linear_panels(const Tensor& x_in, const std::vector<PanelLin
   return outputs;
 }
 
+
+// x: [..., K] float32. weight: int8 [P, ceil(K / 4), 64, 4] (pack_int8_dot: 4 consecutive k of a column per 32-bit
+// lane, zero-padded), P = ceil(out_features / 64). scale / offset: float32 [P, G, 64], G = ceil(K / group_size), as
+// linear_grouped's; sums: int32 [P, G, 64], -128 x the sum of each group's q. group_size: a multiple of 4.
+Tensor linear_int8_dynamic(const Tensor& x_in, const Tensor& weight_in, const Tensor& scale_in,
+                           const c10::optional<Tensor>& offset_in, const Tensor& sums_in,
+                           const c10::optional<Tensor>& bias_in, c10::string_view act_name, int64_t out_features,
+                           int64_t group_size) {
+  constexpr const char* op = "lightgen.linear_int8_dynamic";
+  const Act act = parse_act(op, act_name);
+  LG_CHECK_CPU(op, x_in);
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() >= 1, op, ": 'x' must be float32 [..., in_features], got ",
+              x_in.scalar_type(), " ", x_in.sizes());
+  TORCH_CHECK(group_size >= 4 && group_size % 4 == 0, op, ": group_size must be a positive multiple of 4, got ",
+              group_size);
+  const int64_t k_len = x_in.size(-1), k4 = (k_len + 3) / 4, groups = (k_len + group_size - 1) / group_size;
+  TORCH_CHECK(weight_in.device() == x_in.device() && weight_in.scalar_type() == at::kChar && weight_in.dim() == 4 &&
+                  weight_in.size(1) == k4 && weight_in.size(2) == kPanel && weight_in.size(3) == 4,
+              op, ": 'weight' must be int8 [panels, ", k4, ", ", kPanel, ", 4] for in_features=", k_len, ", got ",
+              weight_in.scalar_type(), " ", weight_in.sizes());
+  const int64_t panels = weight_in.size(0);
+  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel, op,
+              ": packed weights need out_features in (", (panels - 1) * kPanel, ", ", panels * kPanel, "], got ",
+              out_features);
+  const std::vector<int64_t> per_group{panels, groups, kPanel}, per_column{out_features};
+  Tensor scale, offset, sums, bias;
+  for (auto [given, kept, name, shape, dtype] :
+       {std::tuple{&scale_in, &scale, "scale", &per_group, at::kFloat},
+        std::tuple{offset_in ? &*offset_in : nullptr, &offset, "offset", &per_group, at::kFloat},
+        std::tuple{&sums_in, &sums, "sums", &per_group, at::kInt},
+        std::tuple{bias_in ? &*bias_in : nullptr, &bias, "bias", &per_column, at::kFloat}}) {
+    if (given == nullptr) continue;
+    TORCH_CHECK(given->device() == x_in.device() && given->scalar_type() == dtype &&
+                    given->sizes() == at::IntArrayRef(*shape),
+                op, ": '", name, "' must be a ", dtype, " tensor of shape ", at::IntArrayRef(*shape), " on ",
+                x_in.device(), ", got ", given->scalar_type(), " ", given->sizes(), " on ", given->device());
+    *kept = given->contiguous();
+  }
+  Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = out_features;
+  Tensor y = at::empty(out_sizes, x.options());
+  const int64_t m = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
+  if (m == 0) return y;
+  linear_rows_int8_dynamic(x.data_ptr<float>(), m, k_len, weight.data_ptr<int8_t>(), out_features, group_size,
+                           scale.data_ptr<float>(), offset.defined() ? offset.data_ptr<float>() : nullptr,
+                           sums.data_ptr<int32_t>(), bias.defined() ? bias.data_ptr<float>() : nullptr, act,
+                           y.data_ptr<float>());
+  return y;
+}
 }  // namespace lightgen
 
 TORCH_LIBRARY_IMPL(lightgen, CPU, m) {
   m.impl("linear", &lightgen::linear);
   m.impl("linear_grouped", &lightgen::linear_grouped);
+  m.impl("linear_int8_dynamic", &lightgen::linear_int8_dynamic);
 }
