@@ -48,7 +48,8 @@ def unsupported(spec) -> str | None:
         attn, cross = layer.self_attn, layer.cross_attn
         if layer.self_out_norm is not None or layer.ffn_out_norm is not None or layer.rotary is not None:
             return "the native step runs sublayers without output norms or per-layer rotary"
-        if (cross is None) != (first.cross_attn is None) or (cross is not None and cross.heads != first.cross_attn.heads):
+        if (cross is None) != (first.cross_attn is None) or (
+                cross is not None and cross.heads != first.cross_attn.heads):
             return "the native step needs cross-attention of one shape in every layer or in none"
         if attn.k is None or (attn.q_norm is None) != (attn.k_norm is None):
             return "the native step needs separate q/k/v projections and q/k norms in pairs"
@@ -139,7 +140,8 @@ def plan(spec) -> Plan | None:
     attn, cross = first.self_attn, first.cross_attn
     qk_eps = next((layer.self_attn.q_norm.variance_epsilon for layer in spec.layers if layer.self_attn.q_norm), 0.0)
     return Plan(tensors, ints, max_rows, attn.heads, attn.kv_heads, attn.head_dim, getattr(cross, "heads", 0),
-                _epsilon(first.self_norm), qk_eps, attn.scaling, getattr(cross, "scaling", 1.0), attn.softcap, block.act,
+                _epsilon(first.self_norm), qk_eps, attn.scaling, getattr(cross, "scaling", 1.0), attn.softcap,
+                block.act,
                 block.pre_norm, norm_kind(first.self_norm) == "layer", block.gated, attn.scale_queries)
 
 

@@ -220,7 +220,8 @@ Tensor decode_layers(const Tensor& hidden_in, const c10::List<c10::optional<Tens
   // the next layer's first norm (fp32: the same sum as the unfused add, rounded once either way).
   Tensor residual = hidden_in, normed = norm(0, kSelfNorm, hidden_in);
   for (int64_t layer = 0; layer < layers; ++layer) {
-    std::tie(residual, normed) = add_norm(layer, cross ? kCrossNorm : kFfnNorm, self_attention(layer, normed), residual);
+    std::tie(residual, normed) =
+        add_norm(layer, cross ? kCrossNorm : kFfnNorm, self_attention(layer, normed), residual);
     if (cross) std::tie(residual, normed) = add_norm(layer, kFfnNorm, cross_attention(layer, normed), residual);
     Tensor ffn = feed_forward(layer, normed);
     if (layer + 1 == layers) return ffn + residual;

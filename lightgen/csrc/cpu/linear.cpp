@@ -245,7 +245,8 @@ void panel_rows(int64_t m, int64_t cols, float* y, int64_t ld_y, const Tile& til
     const int64_t ld_out = cols == kPanel ? ld_y : kPanel;
     rows_constant<tile_rows>(rows, [&](auto r) { tile(r, i, out, ld_out); });
     if (out == scratch)
-      for (int64_t r = 0; r < rows; ++r) std::copy(scratch + r * kPanel, scratch + r * kPanel + cols, y + (i + r) * ld_y);
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy(scratch + r * kPanel, scratch + r * kPanel + cols, y + (i + r) * ld_y);
   }
 }
 
@@ -336,8 +337,8 @@ void run_panels(const float* x, int64_t m, int64_t k_len, const PanelJob* jobs, 
       const int64_t lo = std::max(begin, first) - first, hi = std::min(end, first + job.panels()) - first;
       if (lo >= hi) continue;
       for (int64_t panel = lo; panel < hi; ++panel) job.run_panel(x, m, k_len, panel);
-      run_epilogue(job.act, job.y, m, job.n, lo * kPanel, std::min(job.n, hi * kPanel), job.grouped ? nullptr : job.scale,
-                   job.bias);
+      run_epilogue(job.act, job.y, m, job.n, lo * kPanel, std::min(job.n, hi * kPanel),
+                   job.grouped ? nullptr : job.scale, job.bias);
     }
   });
 }
@@ -405,9 +406,11 @@ void grouped_panel(const PanelJob& job, const float* x, int64_t m, int64_t k_len
   const void* wp = static_cast<const int8_t*>(job.w) + panel * panel_k * kPanel;
   const float* sp = job.scale + panel * job.groups * kPanel;
   const float* op = job.offset ? job.offset + panel * job.groups * kPanel : nullptr;
-  panel_rows(m, std::min(kPanel, job.n - col), job.y + col, job.n, [&](auto rows, int64_t i, float* out, int64_t ld_out) {
-    grouped_tile<decltype(rows)::value, nibbles>(x + i * k_len, k_len, wp, k_len, job.group_size, sp, op, out, ld_out);
-  });
+  panel_rows(m, std::min(kPanel, job.n - col), job.y + col, job.n,
+             [&](auto rows, int64_t i, float* out, int64_t ld_out) {
+               grouped_tile<decltype(rows)::value, nibbles>(x + i * k_len, k_len, wp, k_len, job.group_size, sp, op,
+                                                            out, ld_out);
+             });
 }
 
 // int8 activations (lightgen.linear_int8_dynamic): each row's group of group_size k (the weight's groups) is
@@ -762,8 +765,8 @@ std::vector<Tensor> linear_panels(const Tensor& x_in, const std::vector<PanelLin
     const Tensor& w = layer.weight;
     TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() == 3 && w.size(1) == k_len && w.size(2) == kPanel &&
                     (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-                op, ": 'weight' must be contiguous packed float32 or bfloat16 [panels, ", k_len, ", ", kPanel, "], got ",
-                w.scalar_type(), " ", w.sizes());
+                op, ": 'weight' must be contiguous packed float32 or bfloat16 [panels, ", k_len, ", ", kPanel,
+                "], got ", w.scalar_type(), " ", w.sizes());
     TORCH_CHECK(layer.out_features > (w.size(0) - 1) * kPanel && layer.out_features <= w.size(0) * kPanel, op,
                 ": packed weights need out_features in (", (w.size(0) - 1) * kPanel, ", ", w.size(0) * kPanel,
                 "], got ", layer.out_features);
