@@ -501,12 +501,12 @@ def skip_reason(settings: Settings, batch: int, decoding: Decoding, deadline: fl
     return None
 
 
-def benchmark_model(spec: ModelSpec, settings: Settings, bandwidth_gb_s: float,
-                    deadline: float) -> tuple[ModelReport, list[CaseResult]]:
+def benchmark_model(spec: ModelSpec, settings: Settings, bandwidth_gb_s: float, deadline: float,
+                    int8: str = "int8") -> tuple[ModelReport, list[CaseResult]]:
     label = spec.label(settings)
     model = build_model(spec, settings)
     accelerated = lightgen.accelerate_model(copy.deepcopy(model))
-    quantized = lightgen.accelerate_model(copy.deepcopy(model), quantize="int8")
+    quantized = lightgen.accelerate_model(copy.deepcopy(model), quantize=int8)
     weight_bytes = decoder_bytes_per_step(spec, model)
     results, skipped = [], []
     with tempfile.TemporaryDirectory() as workdir, contextlib.ExitStack() as workers:
@@ -734,7 +734,8 @@ def markdown(env: dict, settings: Settings, bandwidth: dict[str, float], models:
         "cache_implementation=\"static\", with which HF compiles the decoding forward (torch.compile, inductor; "
         f"enabled on CPU through CompileConfig), greedy at batch {' and '.join(map(str, settings.compile_batches))} "
         "only (each shape compiles once, 30-60 s); lightgen = a deep copy after "
-        f"lightgen.accelerate_model; lightgen-int8 = accelerate_model(quantize=\"int8\"), weight-only int8; "
+        f"lightgen.accelerate_model; lightgen-int8 = accelerate_model(quantize=\"{env['int8']}\")"
+        f"{', weight-only int8' if env['int8'] == 'int8' else ', int8 weights and activations'}; "
         f"{ct2_line}",
         "- ms/step = one generate() call / new tokens (the encoder or prompt pass included); tok/s = batch × new "
         "tokens / call time; lightgen vs X = X's time / lightgen's (above 1×: lightgen faster); peak RSS: MB the "
@@ -798,10 +799,13 @@ def main(argv: list[str] | None = None) -> None:
     def options(parser):
         parser.add_argument("--models", nargs="+", metavar="NAME", type=str.lower,
                             help="run only the models whose label contains one of these (e.g. smollm2)")
+        parser.add_argument("--int8", choices=("int8", "int8-dynamic"), default="int8",
+                            help="the quantize= setting of the lightgen-int8 provider")
 
     args, env = start_run(__doc__, "generate",
                           "2+2-layer BART, 2-layer GPT-2, batch 1 and 8, 16 new tokens (< 2 min)", argv, options)
     settings = QUICK if args.quick else FULL
+    env["int8"] = args.int8
     env["ctranslate2"] = ctranslate2.__version__ if ctranslate2 else None
     if ctranslate2 is None:
         print(f"{CT2_MISSING}; its columns stay empty", file=sys.stderr)
@@ -821,7 +825,7 @@ def main(argv: list[str] | None = None) -> None:
             not_run.append(f"{label}: {reason}")
             print(f"{label} not run: {reason}", file=sys.stderr)
             continue
-        report, model_results = benchmark_model(spec, settings, max(bandwidth.values()), deadline)
+        report, model_results = benchmark_model(spec, settings, max(bandwidth.values()), deadline, args.int8)
         models.append(report)
         results += model_results
     contention.record(env)
