@@ -125,7 +125,7 @@ def test_embeddings_of_another_width_start_from_their_principal_directions():
     projected = drafter.tokens.weight[:VOCAB].detach()
     # Inner products (centred) are the best rank-16 approximation of the verifier's, up to one scale.
     centred = table - table.mean(0)
-    u, s, vh = torch.linalg.svd(centred, full_matrices=False)
+    u, s, _ = torch.linalg.svd(centred, full_matrices=False)
     best = (u[:, :16] * s[:16]) @ (u[:, :16] * s[:16]).T
     got = (projected - projected.mean(0)) @ (projected - projected.mean(0)).T
     scale = (got * best).sum() / (best * best).sum()
