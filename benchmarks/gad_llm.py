@@ -186,9 +186,9 @@ def options(parser) -> None:
     parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER, help="the distilled drafter's folder")
     parser.add_argument("--distil", action="store_true", help="distil the drafter into --drafter instead")
     parser.add_argument("--prompts", type=int, default=1536, help="--distil: training prompts")
-    parser.add_argument("--steps", type=int, default=1500, help="--distil: training steps")
+    parser.add_argument("--steps", type=int, default=1000, help="--distil: training steps")
     parser.add_argument("--batch-size", type=int, default=32, help="--distil: rows per training step")
-    parser.add_argument("--lr", type=float, default=1.5e-3, help="--distil: peak learning rate")
+    parser.add_argument("--lr", type=float, default=2e-3, help="--distil: peak learning rate")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -82,7 +82,7 @@ def train_drafter(drafter: NARDrafter, sources: list[list[int]], targets: list[l
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(
-        (step + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(step / steps, 1.0)))))
+        (step + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(step / max(steps, 1), 1.0)))))
     drafter.train()
     started, running = time.time(), None
     for step in range(1, steps + 1):
