@@ -164,6 +164,16 @@ def answer(model, tokenizer, requests: list[str], batch: int, **kwargs) -> tuple
     return rows, (tokens / passes if passes else None)
 
 
+def draft_ms(drafter, tokenizer, requests: list[str], batch: int, settings: Settings) -> float:
+    """One draft of BLOCK_SIZE tokens for ``batch`` rows, 32 tokens into their answers (the session started once)."""
+    sources = chat_prompt_ids(tokenizer, requests[:batch])
+    session = drafter.start(sources, max_length=256)
+    outputs = [list(range(100, 132)) for _ in sources]
+    timing = measure({"draft": lambda: session.draft(list(range(len(sources))), outputs, [BLOCK_SIZE] * len(sources))},
+                     dataclasses.replace(settings, min_sample_s=0.2, warmup_calls=3, samples=5, min_samples=5))
+    return timing["draft"].median_us / 1e3
+
+
 def draw(plt, payload):
     fig, ax = plt.subplots(figsize=(8, 4))
     cases = list(payload["cases"])
@@ -226,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
                 tokens_per_pass={name: results[name][1] for name in chosen if results[name][1] is not None},
                 identical_to_greedy={name: sum(a == b for a, b in zip(results[name][0], greedy, strict=True))
                                      / len(greedy) for name in chosen},
-                new_tokens=sum(map(len, greedy)))
+                new_tokens=sum(map(len, greedy)), draft_ms=draft_ms(drafter, tokenizer, requests, batch, settings))
     meter.record(env)
     share = env.get("others_cpu_share")
     quiet = share is not None and not busy(share)
@@ -245,6 +255,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {kind} | {batch} | {name} | {ms:.0f}{' (noisy)' if row['noisy'][name] else ''} "
                   f"| {format_speedup(row['vs_greedy'][name])} | {'' if per_pass is None else f'{per_pass:.2f}'} "
                   f"| {100 * row['identical_to_greedy'][name]:.0f}% |")
+    print("\nms per greedy decoder step (about: lightgen greedy's ms per call x rows / new tokens) and per draft "
+          f"({BLOCK_SIZE} tokens after 32):")
+    for label, row in cases.items():
+        step = row["median_ms"][GREEDY] * int(label.split()[-1]) / row["new_tokens"]
+        print(f"- {label}: step {step:.1f} ms, draft {row['draft_ms']:.2f} ms")
     write_results(args.out, "gad_llm", payload, lambda plt: draw(plt, payload))
 
 
