@@ -20,23 +20,39 @@ from lightgen.generation.drafting.training import start_from_embeddings
 
 
 class _HFVerifier:
-    """A Hugging Face seq2seq model folder as ``train-drafter`` distils from it."""
+    """A Hugging Face model folder as ``train-drafter`` distils from it: seq2seq (sources: the lines) or
+    decoder-only (sources: the lines as prompts, in the chat template with ``chat``; targets: the continuations)."""
 
-    def __init__(self, folder: Path) -> None:
-        from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
+    def __init__(self, folder: Path, gguf_file: str | None = None, chat: bool = False,
+                 max_new_tokens: int | None = None) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
         from lightgen import accelerate_model
 
-        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
-        self.model = accelerate_model(AutoModelForSeq2SeqLM.from_pretrained(folder, dtype=torch.float32).eval())
-        self.encoder = self.model.get_encoder()
+        load = dict(gguf_file=gguf_file) if gguf_file else {}
+        self.tokenizer = AutoTokenizer.from_pretrained(folder, **load)
+        decoder_only = not AutoConfig.from_pretrained(folder, **load).is_encoder_decoder
+        if chat and not decoder_only:
+            raise ValueError("--chat: the verifier is a seq2seq model; its sources are the lines as they are")
+        family = AutoModelForCausalLM if decoder_only else AutoModelForSeq2SeqLM
+        self.model = accelerate_model(family.from_pretrained(folder, dtype=torch.float32, **load).eval())
+        self.encoder = None if decoder_only else self.model.get_encoder()
+        self.chat, self.generate_kwargs = chat, {} if max_new_tokens is None else dict(max_new_tokens=max_new_tokens)
+        self.pad_token_id = self.model.config.pad_token_id
+        if self.pad_token_id is None:
+            self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     def greedy(self, lines: list[str]) -> tuple[list[list[int]], list[list[int]]]:
-        sources = self.tokenizer(lines)["input_ids"]
-        return sources, greedy_targets(self.model, sources, self.model.config.pad_token_id)
+        if self.chat:
+            lines = [self.tokenizer.apply_chat_template([{"role": "user", "content": line}], add_generation_prompt=True,
+                                                        tokenize=False) for line in lines]
+            sources = self.tokenizer(lines, add_special_tokens=False)["input_ids"]
+        else:
+            sources = self.tokenizer(lines)["input_ids"]
+        return sources, greedy_targets(self.model, sources, self.pad_token_id, **self.generate_kwargs)
 
-    def new_drafter(self) -> NARDrafter:
-        return drafter_for(self.model)
+    def new_drafter(self, **sizes) -> NARDrafter:
+        return drafter_for(self.model, **sizes)
 
 
 class _FairseqVerifier:
@@ -61,10 +77,10 @@ class _FairseqVerifier:
         hypotheses = self.hub.generate(sources, beam=1, lightgen_decoding="iad")
         return [source.tolist() for source in sources], [[eos] + hypos[0]["tokens"].tolist() for hypos in hypotheses]
 
-    def new_drafter(self) -> NARDrafter:
+    def new_drafter(self, **sizes) -> NARDrafter:
         target = self.hub.task.target_dictionary
-        width = self.hub.models[0].encoder.embed_tokens.embedding_dim
-        drafter = NARDrafter(DrafterConfig(vocab_size=len(target), pad_token_id=target.pad(), d_model=width))
+        sizes.setdefault("d_model", self.hub.models[0].encoder.embed_tokens.embedding_dim)
+        drafter = NARDrafter(DrafterConfig(vocab_size=len(target), pad_token_id=target.pad(), **sizes))
         start_from_embeddings(drafter, self.hub.models[0].decoder.embed_tokens.weight)
         return drafter
 
@@ -73,7 +89,14 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="lightgen train-drafter",
         description="Distil a GAD drafter for a verifier from the verifier's own greedy outputs.")
-    parser.add_argument("--verifier", type=Path, help="HF model folder (default: the shipped demo model)")
+    parser.add_argument("--verifier", type=Path, help="HF model folder, seq2seq or decoder-only (default: the "
+                        "shipped demo model); a decoder-only verifier's drafter encodes the prompt itself")
+    parser.add_argument("--gguf-file", help="load the verifier from this GGUF file in --verifier")
+    parser.add_argument("--chat", action="store_true", help="decoder-only verifiers: each line is a user message, "
+                        "prompted in the tokenizer's chat template")
+    parser.add_argument("--max-new-tokens", type=int, help="decoder-only verifiers: the longest continuation")
+    parser.add_argument("--size", type=json.loads, default={}, help="a new drafter's DrafterConfig fields as JSON, "
+                        "e.g. '{\"d_model\": 256, \"encoder_layers\": 1}'")
     parser.add_argument("--fairseq-checkpoint", type=Path, help="a fairseq translation checkpoint (.pt) as the "
                         "verifier instead (needs --text and --out; the drafter serves --lightgen-decoding gad)")
     parser.add_argument("--fairseq-data", type=Path, help="its dictionaries (dict.*.txt; default: its folder)")
@@ -92,6 +115,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.fairseq_checkpoint and args.gguf_file:
+        parser.error("--gguf-file loads a Hugging Face verifier, not a fairseq checkpoint")
     if args.fairseq_checkpoint and not (args.text and args.out):
         parser.error("--fairseq-checkpoint needs --text (its source sentences) and --out")
     torch.set_num_threads(args.threads)
@@ -99,7 +124,7 @@ def main(argv=None) -> None:
     from lightgen.demo.noise import Noiser, number_pairs
 
     verifier = (_FairseqVerifier(args.fairseq_checkpoint, args.fairseq_data) if args.fairseq_checkpoint
-                else _HFVerifier(args.verifier or MODEL_DIR))
+                else _HFVerifier(args.verifier or MODEL_DIR, args.gguf_file, args.chat, args.max_new_tokens))
     if args.text:
         lines = [line.strip() for line in args.text.read_text().splitlines() if line.strip()]
     else:
@@ -117,7 +142,7 @@ def main(argv=None) -> None:
         if args.targets:
             args.targets.write_text(json.dumps(dict(sources=sources, targets=targets)))
     print(f"{len(sources)} greedy targets from the verifier in {time.time() - started:.0f}s", flush=True)
-    drafter = NARDrafter.from_pretrained(args.init) if args.init else verifier.new_drafter()
+    drafter = NARDrafter.from_pretrained(args.init) if args.init else verifier.new_drafter(**args.size)
     if args.causal_prefix:
         drafter.config = dataclasses.replace(drafter.config, causal_prefix=True)
     print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters", flush=True)

@@ -476,7 +476,8 @@ def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_proce
         drafts = start_session(aggressive.drafter, sources=sources, source_ids=source, source_mask=mask,
                                max_length=generation_config.max_length, max_draft=aggressive.longest_draft,
                                encoder_hidden=encoder_outputs[0] if encoder_outputs is not None else None,
-                               accelerate=getattr(model, ACCELERATE_ATTR))
+                               accelerate=getattr(model, ACCELERATE_ATTR),
+                               decoder_only=not model.config.is_encoder_decoder)
     eos = generation_config._eos_token_tensor
     pad = generation_config._pad_token_tensor
     # Forcing EOS at the last position picks the lowest forced id, as argmax over HF's scores does.

@@ -109,11 +109,14 @@ class NARDrafter(nn.Module):
         return layers
 
     def start(self, sources: list[list[int]], encoder_hidden=None, encoder_mask=None,
-              max_length: int | None = None) -> "_NARSession":
+              max_length: int | None = None, prompt_width: int = 0) -> "_NARSession":
         """Bind to one call's inputs; ``encoder_hidden`` [N, S, E] (+ ``encoder_mask``) is the verifier's
         encoder output, which a drafter without its own encoder reads instead of ``sources``;
-        ``max_length``: the longest output (sizes the ``causal_prefix`` cache)."""
-        return _NARSession(self, sources, encoder_hidden, encoder_mask, max_length)
+        ``max_length``: the longest output (sizes the ``causal_prefix`` cache); ``prompt_width``: a
+        decoder-only verifier's outputs start with its padded prompt, this wide, which the drafter's
+        encoder reads (as ``sources``) and its decoder does not: it sees the continuation only, as
+        ``greedy_targets`` trains it, whatever the batch's padding."""
+        return _NARSession(self, sources, encoder_hidden, encoder_mask, max_length, prompt_width)
 
     def save_pretrained(self, directory) -> None:
         from safetensors.torch import save_file
@@ -275,10 +278,10 @@ class _NARSession:
     ``causal_prefix`` drafter on lightgen's kernels: over the tokens added since its last draft only)."""
 
     def __init__(self, drafter: NARDrafter, sources: list[list[int]], encoder_hidden, encoder_mask,
-                 max_length: int | None) -> None:
+                 max_length: int | None, prompt_width: int = 0) -> None:
         config = drafter.config
         device = drafter.head.weight.device
-        self.drafter = drafter
+        self.drafter, self.prompt_width = drafter, prompt_width
         if drafter.encoder is None:
             if encoder_hidden is None or encoder_hidden.shape[-1] != config.d_model:
                 raise ValueError(f"this drafter reads the verifier's encoder output (width {config.d_model}): it "
@@ -308,6 +311,8 @@ class _NARSession:
         block = min(max(sizes), config.max_block_size)
         if block <= 0:
             return [[] for _ in rows]
+        if self.prompt_width:
+            outputs = [output[self.prompt_width:] for output in outputs]
         if self.cache is not None:
             return self._draft_cached(rows, outputs, block)
         context = config.max_positions - block  # longer outputs draft from their most recent tokens

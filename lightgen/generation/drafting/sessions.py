@@ -83,14 +83,16 @@ class _AssistantSession:
 
 
 def start_session(drafter, *, sources: list[list[int]], source_ids, source_mask, max_length: int, max_draft: int,
-                  encoder_hidden=None, accelerate=None):
+                  encoder_hidden=None, accelerate=None, decoder_only: bool = False):
     """Bind ``drafter`` (see the module docstring) to one generate call's inputs: ``source_ids`` [N, S] and
-    ``source_mask`` are the encoder's input (or a decoder-only model's prompt), ``sources`` the same
-    without padding, ``encoder_hidden`` the verifier's encoder output (encoder-decoder models)."""
+    ``source_mask`` are the encoder's input (or, ``decoder_only``, the model's left-padded prompt, which each
+    output then starts with), ``sources`` the same without padding, ``encoder_hidden`` the verifier's
+    encoder output (encoder-decoder models)."""
     from transformers import PreTrainedModel
 
     if isinstance(drafter, NARDrafter):
-        return drafter.start(sources, encoder_hidden, source_mask if encoder_hidden is not None else None, max_length)
+        return drafter.start(sources, encoder_hidden, source_mask if encoder_hidden is not None else None, max_length,
+                             prompt_width=source_ids.shape[1] if decoder_only else 0)
     if isinstance(drafter, PreTrainedModel):
         if not hasattr(drafter, DECODER_ATTR):
             if accelerate is None:
