@@ -295,7 +295,7 @@ def _draft_and_verify(decoder, state, drafter, policy: DraftPolicy, sequences, l
         best[real] = ops.greedy_tokens(decoder.step(state, tokens, positions, scored=real))
     if best.is_cuda:  # kernels run asynchronously there
         torch.cuda.synchronize(best.device)
-    policy.timed(tokens.numel(), time.perf_counter() - started)
+    policy.timed(tokens.numel(), started, time.perf_counter())
     return logits, best, drafts
 
 

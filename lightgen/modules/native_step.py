@@ -12,10 +12,11 @@ bit-identical, and the layers' tensors are gathered once per request (``plan``),
 long prompts), keep the Python loop; the result is the same either way.
 
 Measured (benchmarks/decode_step.py, SmolLM2-135M fp32, 2 threads, AVX-512, a quiet machine; README "Decoder
-step"), ms a step at batch 1 / 8: Python step 30.4 / 37.8, native 23.1 / 29.6 (1.32x / 1.28x; the bandwidth floor:
-17.1), the Python step's layers under torch.compile (inductor, one graph per layer, 8-11 s to compile) 51.6 / 62.9
-and not bit-identical (inductor's cos/sin of the rotary angles and its fused rotation round otherwise than eager
-HF). So the native step is kept. Other runs: 1.17-1.33x. The ~960 tensors go over as one list a call: ~40-80 us.
+step"), ms a step at batch 1 / 8: Python step 27.4 / 29.3, native 21.7 / 24.3 (1.26x / 1.21x; the bandwidth floor:
+16.4). The Python step's layers under torch.compile (inductor, one graph per layer, 8-11 s to compile) were slower
+still, 51.6 / 62.9 against the Python step's 30.4 / 37.8 in an earlier run, and not bit-identical (inductor's cos/sin
+of the rotary angles and its fused rotation round otherwise than eager HF). So the native step is kept. The layers'
+tensors go over as one list a call: ~40-80 us.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ drafting, and the tokens stay greedy's; the vectorised IAD drafter matches its l
 import itertools
 import random
 
+import numpy as np
+
 import pytest
 import torch
 from models import SEQ2SEQ
@@ -141,6 +143,29 @@ def test_pass_cost_is_not_steepened_by_widths_seen_less_often(load):
         a, b = cost.line()
         ratios.append(((a + 40 * b) / (a + 8 * b)) / ((true_a + 40 * true_b) / (true_a + 8 * true_b)))
     assert 0.85 < sorted(ratios)[len(ratios) // 2] < 1.15  # by the minimum: 1.02-1.38
+
+
+def test_pass_cost_counts_the_whole_iteration_since_the_last_pass():
+    """Drafting and bookkeeping between passes cost as much per pass as the decoder; the line gets both."""
+    policy = DraftPolicy(1, PassCost())
+    policy.timed(4, 10.0, 10.5)  # the call's first pass: its own 0.5 s
+    policy.timed(8, 11.0, 11.5)  # 0.5 s of drafting and acceptance before it
+    assert [list(times) for times in policy.cost._times.values()] == [[0.5], [1.0]]
+
+
+def test_near_best_widths_go_to_the_longer_draft():
+    """Copied text is accepted in longer runs than the geometric p^i: the widest width within RATE_TOLERANCE of
+    the best expected rate is taken, not the best alone."""
+    from lightgen.generation.draft_policy import RATE_TOLERANCE
+
+    a, b = 1.0, 0.15  # the best expected rate at K = 8, within 5% of it up to K = 13
+    policy = DraftPolicy(1, FixedPassCost(a, b))
+    policy.accepted, policy.rejected = np.array([25.0]), np.array([2.0])  # p = 27 / 30 = 0.9
+    places = np.arange(17)
+    rate = (1 + np.concatenate([[0.0], np.cumsum(0.9 ** places[1:])])) / (a + b * (1 + places))
+    best, chosen = int(rate.argmax()), int(policy.plan(torch.tensor([16]))[0])
+    assert chosen > best and rate[chosen] >= (1 - RATE_TOLERANCE) * rate.max()
+    assert chosen == 16 or rate[chosen + 1] < (1 - RATE_TOLERANCE) * rate.max()
 
 
 def _find_anchor_by_scanning(output, source):
