@@ -62,15 +62,14 @@ def unsupported(spec) -> str | None:
             return "the native step needs the same cross-attention scale in every layer"
         norms = [layer.self_norm, layer.ffn_norm, *([layer.cross_norm] if cross is not None else [])]
         kinds |= {norm_kind(norm) for norm in norms}
-        if not kinds <= set(NORM_KINDS):
-            break
+        if len(kinds) > 1 or not kinds <= set(NORM_KINDS):
+            return (f"the native step runs blocks of one norm kind of {', '.join(NORM_KINDS)}, "
+                    f"not {sorted(map(str, kinds))}")
         eps |= {_epsilon(norm) for norm in norms}
         if attn.q_norm is not None:
             if {norm_kind(attn.q_norm), norm_kind(attn.k_norm)} != {"rms"}:
                 return "the native step runs RMSNorm q/k norms only"
             qk_eps |= {attn.q_norm.variance_epsilon, attn.k_norm.variance_epsilon}
-    if len(kinds) > 1 or not kinds <= set(NORM_KINDS):
-        return f"the native step runs blocks of one norm kind of {', '.join(NORM_KINDS)}, not {sorted(map(str, kinds))}"
     if len(eps) > 1 or len(qk_eps) > 1:
         return "the native step needs one epsilon for the layers' norms and one for the q/k norms"
     rotate = getattr(spec.apply_rotary, "__module__", None)
@@ -142,8 +141,7 @@ def plan(spec) -> Plan | None:
     qk_eps = next((layer.self_attn.q_norm.variance_epsilon for layer in spec.layers if layer.self_attn.q_norm), 0.0)
     return Plan(tensors, ints, max_rows, attn.heads, attn.kv_heads, attn.head_dim, getattr(cross, "heads", 0),
                 _epsilon(first.self_norm), qk_eps, attn.scaling, getattr(cross, "scaling", 1.0), attn.softcap,
-                block.act,
-                block.pre_norm, norm_kind(first.self_norm) == "layer", block.gated, attn.scale_queries)
+                block.act, block.pre_norm, norm_kind(first.self_norm) == "layer", block.gated, attn.scale_queries)
 
 
 def run(plan: Plan, state, hidden: torch.Tensor, rotary, mask) -> torch.Tensor:
