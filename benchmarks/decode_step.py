@@ -1,7 +1,7 @@
 """Benchmark one decoder step of SmolLM2-135M-Instruct (30 layers, fp32): the Python step, the native step (all
 layers in one C++ call) and the Python step's layers under torch.compile (inductor).
 
-    python benchmarks/decode_step.py [--quick] [--no-compile] [--quantize=int8|int8-dynamic|int4|bf16]
+    python benchmarks/decode_step.py [--quick] [--no-compile] [--quantize=int8|int8-dynamic|int4|int4-dynamic|bf16]
         [--out benchmarks/results]
 
 Each provider decodes one token per row on its own state after a 32-token prompt, then rolls the position back,
@@ -149,7 +149,7 @@ def markdown(env: dict, rows: list[Row], weights_mb: float, bandwidth: float, no
 def main(argv: list[str] | None = None) -> None:
     def options(parser):
         parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile provider")
-        parser.add_argument("--quantize", choices=("int8", "int8-dynamic", "int4", "bf16"),
+        parser.add_argument("--quantize", choices=("int8", "int8-dynamic", "int4", "int4-dynamic", "bf16"),
                             help="time accelerate_model(quantize=...)'s weight copies (decode_step_<precision>.json)")
 
     args, env = start_run(__doc__, "decode_step", "fewer, shorter samples", argv, options)

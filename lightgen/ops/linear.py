@@ -37,12 +37,13 @@ def linear_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, o
 
 
 def linear_int8_dynamic(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                        sums: torch.Tensor, bias: torch.Tensor | None, act: str, out_features: int,
+                        sums: torch.Tensor | None, bias: torch.Tensor | None, act: str, out_features: int,
                         group_size: int) -> torch.Tensor:
-    """``linear_grouped``'s int8 weights (``weight``, ``sums``: ``pack_int8_dot`` of its panels; ``scale``,
-    ``offset`` its own) times int8 activations: each row's groups of ``group_size`` k (a multiple of 4) are
-    rounded by ``quantize_activations`` and multiplied in int32 (VNNI where the CPU has it). Lossy: x is
-    rounded to 8 bits per group, where ``linear_grouped`` takes it as it is.
+    """``linear_grouped``'s int8 or int4 weights (``weight``, ``sums``: ``pack_int8_dot`` of its panels; ``scale``,
+    ``offset`` its own; int4: with zero points, no ``sums``) times int8 activations: each row's groups of
+    ``group_size`` k (a multiple of 4, int4: of 8) are rounded by ``quantize_activations`` and multiplied in
+    int32 (VNNI where the CPU has it). Lossy: x is rounded to 8 bits per group, where ``linear_grouped`` takes
+    it as it is.
     """
     return _build.op("linear_int8_dynamic")(x, weight, scale, offset, sums, bias, act, out_features, group_size)
 
@@ -84,12 +85,26 @@ def quantize_activations(x: torch.Tensor, group_size: int):
     return a, torch.where(finite, amax / 127.0, torch.nan), total
 
 
-def pack_int8_dot(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 panels [P, K, 64] (``quantize_grouped``) -> (the dot-product layout [P, ceil(K / 4), 64, 4]: 4
-    consecutive k of a column per 32-bit lane, zero-padded; int32 [P, G, 64]: -128 x each group's sum of q,
-    which undoes the +128 that makes activations unsigned for vpdpbusd)."""
+def pack_int8_dot(weight: torch.Tensor, group_size: int, in_features: int | None = None):
+    """Group-wise panels (``quantize_grouped``) -> ``linear_int8_dynamic``'s weight layout and sums.
+
+    int8 [P, K, 64] -> ([P, ceil(K / 4), 64, 4]: 4 consecutive k of a column per 32-bit lane, zero-padded; int32
+    [P, G, 64]: -128 x each group's sum of q, which undoes the +128 that makes activations unsigned for vpdpbusd).
+    int4 (uint8 [P, ceil(K / 2), 64]; ``in_features`` K) -> (uint8 [P, ceil(K / 8), 64, 4]: 8 consecutive k of a
+    column per 32-bit lane, k0..k3 in the low nibbles of its 4 bytes and k4..k7 in the high ones, zero-padded;
+    None: u in 0..15 is vpdpbusd's unsigned operand as it is).
+    """
+    if weight.dtype == torch.uint8:
+        if group_size % 8 or in_features is None:
+            raise ValueError(f"pack_int8_dot: int4 panels need in_features and a group_size that is a multiple of "
+                             f"8, got {in_features}, {group_size}")
+        panels = weight.shape[0]
+        lanes = -(-in_features // 8)
+        u = torch.stack([weight & 15, weight >> 4], dim=2).view(panels, -1, PANEL)[:, :in_features]
+        u = F.pad(u, (0, 0, 0, lanes * 8 - in_features)).view(panels, lanes, 2, 4, PANEL)
+        return (u[:, :, 0] | (u[:, :, 1] << 4)).transpose(2, 3).contiguous(), None
     if weight.dtype != torch.int8 or group_size % 4:
-        raise ValueError(f"pack_int8_dot: needs int8 panels and a group_size that is a multiple of 4, got "
+        raise ValueError(f"pack_int8_dot: needs int8 or int4 panels and a group_size that is a multiple of 4, got "
                          f"{weight.dtype}, {group_size}")
     panels, in_features, _ = weight.shape
     k4, groups = -(-in_features // 4), -(-in_features // group_size)
@@ -100,8 +115,10 @@ def pack_int8_dot(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
 
 
 def unpack_int8_dot(dot: torch.Tensor, in_features: int, out_features: int) -> torch.Tensor:
-    """The int8 q [N, K] held in ``pack_int8_dot``'s layout."""
-    return dot.permute(0, 2, 1, 3).reshape(-1, dot.shape[1] * 4)[:out_features, :in_features]
+    """The int8 q (int4: uint8 u) [N, K] held in ``pack_int8_dot``'s layout."""
+    if dot.dtype == torch.uint8:
+        dot = torch.stack([dot & 15, dot >> 4], dim=3)  # [P, lanes, 64, 2, 4]: low nibbles' k first
+    return dot.permute(0, 2, 1, *range(3, dot.dim())).reshape(-1, dot[0, :, 0].numel())[:out_features, :in_features]
 
 
 def quantize_grouped(weight: torch.Tensor, bits: int, group_size: int, zero_points: bool = False):
@@ -196,7 +213,10 @@ def linear_grouped_ref(x, weight, scale, offset, bias, act, out_features, group_
 
 def linear_int8_dynamic_ref(x, weight, scale, offset, sums, bias, act, out_features, group_size):
     """The specification: y = sum over groups g of step[m, g] scale[n, g] (sum_k a[m, k] q[n, k]) (+ offset[n, g]
-    x the float sum of row m's group g), + bias. ``sums`` is the kernel's means, not part of the result."""
+    x the float sum of row m's group g), + bias; q: int8 q or int4 u. ``sums`` is the kernel's means, not part of
+    the result."""
+    if weight.dtype == torch.uint8 and offset is None:
+        raise ValueError("linear_int8_dynamic: int4 weights need their 'offset' (zero points)")
     in_features = x.shape[-1]
     rows = x.reshape(-1, in_features)
     a, step, total = quantize_activations(rows, group_size)

@@ -9,7 +9,7 @@ from models import BUILDERS, DECODER_ONLY, SEQ2SEQ, build, forward_logits, padde
 
 import lightgen
 from lightgen.modules.decoder import DECODER_ATTR
-from lightgen.modules.linear import INT8_ACTIVATION_MIN_ROWS, LinearWeights
+from lightgen.modules.linear import INT4_ACTIVATION_MIN_ROWS, INT8_ACTIVATION_MIN_ROWS, LinearWeights
 from lightgen.ops.linear import int8_dot_available
 
 GENERATING = SEQ2SEQ + DECODER_ONLY
@@ -18,8 +18,8 @@ GENERATING = SEQ2SEQ + DECODER_ONLY
 # are bounded relative to bf16's error on the same model: int8 groups round about as finely as bf16 (3-4x its
 # error measured), int4 16x more coarsely (27-51x measured on Llama, T5, Gemma 3).
 MAX_BF16_RELATIVE_ERROR = 0.01
-# int8-dynamic also rounds activations to 8 bits per group of 32 (where the prefill's 36 rows run it).
-MAX_TIMES_BF16 = {"int8": 6.0, "int8-dynamic": 12.0, "int4": 80.0, "bf16": 1.0}
+# int8-dynamic / int4-dynamic also round activations to 8 bits per group of 32 (where the prefill's 36 rows run it).
+MAX_TIMES_BF16 = {"int8": 6.0, "int8-dynamic": 12.0, "int4": 80.0, "int4-dynamic": 80.0, "bf16": 1.0}
 
 
 def _relative_error(got, expected):
@@ -32,7 +32,7 @@ def _quantized_error(family, precision, ids, mask, expected):
     return _relative_error(forward_logits(model, family, ids, mask)[keep], expected[keep])
 
 
-@pytest.mark.parametrize("precision", ["int8", "int8-dynamic", "int4", "bf16"])
+@pytest.mark.parametrize("precision", ["int8", "int8-dynamic", "int4", "int4-dynamic", "bf16"])
 @pytest.mark.parametrize("family", sorted(BUILDERS))
 def test_quantized_forward_is_close_and_state_dict_is_unchanged(family, precision):
     model = build(family, seed=3)
@@ -55,10 +55,11 @@ def test_quantized_forward_is_close_and_state_dict_is_unchanged(family, precisio
     assert all("_lightgen_linear" not in vars(m) for m in model.modules())
 
 
-@pytest.mark.parametrize("precision", ["int8", "int8-dynamic"])
-@pytest.mark.parametrize("family", GENERATING)
-def test_int8_generate_runs_the_engine_and_mostly_agrees_with_fp32(family, precision, monkeypatch):
-    rows_run = {"linear_grouped": [], "linear_int8_dynamic": []}  # the row counts each int8 kernel ran
+@pytest.mark.parametrize(("family", "precision"), [(family, precision) for precision in ("int8", "int8-dynamic")
+                                                  for family in GENERATING]
+                         + [("bart", "int4-dynamic"), ("llama", "int4-dynamic")])
+def test_quantized_generate_runs_the_engine_and_mostly_agrees_with_fp32(family, precision, monkeypatch):
+    rows_run = {"linear_grouped": [], "linear_int8_dynamic": []}  # the row counts each quantized kernel ran
 
     def counted(name):
         kernel = getattr(lightgen.ops, name)
@@ -71,7 +72,9 @@ def test_int8_generate_runs_the_engine_and_mostly_agrees_with_fp32(family, preci
     for name in rows_run:
         monkeypatch.setattr(lightgen.ops, name, counted(name))
     model = build(family, seed=4)
-    # int8-dynamic: a batch of INT8_ACTIVATION_MIN_ROWS puts that many rows in every decode step's matmuls.
+    # int8-dynamic: a batch of INT8_ACTIVATION_MIN_ROWS puts that many rows in every decode step's matmuls
+    # (int4-dynamic: its layers' INT4_ACTIVATION_MIN_ROWS and its int8-dynamic head's INT8_ACTIVATION_MIN_ROWS).
+    assert INT4_ACTIVATION_MIN_ROWS <= INT8_ACTIVATION_MIN_ROWS
     ids, mask = padded_batch(family, 4 if precision == "int8" else INT8_ACTIVATION_MIN_ROWS, 9, seed=4)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=1)
     expected = model.generate(**kwargs)
@@ -80,10 +83,13 @@ def test_int8_generate_runs_the_engine_and_mostly_agrees_with_fp32(family, preci
     getattr(quantized, DECODER_ATTR).native_reason = "the test counts the Python step's kernel calls"
     got = quantized.generate(**kwargs)
     assert got.shape == expected.shape
-    # Random-weight logits are nearly flat, so int8 rounding flips some argmaxes; most must survive.
+    # Random-weight logits are nearly flat, so int8 / int4 rounding flips some argmaxes; most must survive.
     assert (got == expected).float().mean() >= 0.5
     if precision == "int8" or not int8_dot_available():
         assert rows_run["linear_int8_dynamic"] == [] and rows_run["linear_grouped"]
+    elif precision == "int4-dynamic":  # every step has enough rows for every layer
+        assert rows_run["linear_int8_dynamic"] and rows_run["linear_grouped"] == []
+        assert min(rows_run["linear_int8_dynamic"]) == INT8_ACTIVATION_MIN_ROWS
     else:  # int8 activations on the prompt and wherever a step has that many rows; the weight-only kernel below
         assert max(rows_run["linear_int8_dynamic"]) > INT8_ACTIVATION_MIN_ROWS
         assert min(rows_run["linear_int8_dynamic"]) >= INT8_ACTIVATION_MIN_ROWS
@@ -104,7 +110,7 @@ def test_quantized_training_forward_uses_fp32_weights():
 
 
 def test_quantize_options_are_checked():
-    with pytest.raises(ValueError, match="quantize must be one of int8, int8-dynamic, int4, bf16"):
+    with pytest.raises(ValueError, match="quantize must be one of int8, int8-dynamic, int4, int4-dynamic, bf16"):
         lightgen.accelerate_model(build("gpt2"), quantize="int2")
     with pytest.raises(ValueError, match="needs a float32 model"):
         lightgen.accelerate_model(build("gpt2", dtype=torch.bfloat16), quantize="int8")
@@ -194,22 +200,30 @@ def test_group_scales_bring_trained_weights_closer_to_fp32(monkeypatch):
     assert sum(same) >= 0.9 * len(same)
 
 
+@pytest.mark.parametrize("precision", ["int4", "int4-dynamic"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])  # nn.Linear head, and a head tied to Conv1D blocks
-def test_int4_keeps_the_lm_head_at_int8(family):
-    model = lightgen.accelerate_model(build(family, seed=5), quantize="int4")
+def test_int4_keeps_the_lm_head_at_int8(family, precision):
+    model = lightgen.accelerate_model(build(family, seed=5), quantize=precision)
     head = model.get_output_embeddings()
     kinds = {m._lightgen_linear.weight.dtype for m in model.modules() if "_lightgen_linear" in vars(m) and m is not head}
-    assert head._lightgen_linear.weight.dtype == torch.int8 and head._lightgen_linear.precision == "int8"
+    head_precision = precision.replace("int4", "int8")
+    assert head._lightgen_linear.weight.dtype == torch.int8 and head._lightgen_linear.precision == head_precision
     assert kinds == {torch.uint8}
+    if precision == "int4-dynamic" and int8_dot_available():
+        assert head._lightgen_linear.dot.dtype == torch.int8
+        assert {m._lightgen_linear.dot.dtype for m in model.modules()
+                if "_lightgen_linear" in vars(m) and m is not head} == {torch.uint8}
 
 
-def test_int8_dynamic_without_vnni_warns_and_runs_weight_only_int8(monkeypatch):
+@pytest.mark.parametrize("weight_only", ["int8", "int4"])
+def test_dynamic_without_vnni_warns_and_runs_weight_only(monkeypatch, weight_only):
     monkeypatch.setenv("LIGHTGEN_DISABLE_VNNI", "1")
     model = build("llama", seed=9)
-    with pytest.warns(RuntimeWarning, match="needs AVX-512 VNNI .* run weight-only int8"):
-        dynamic = lightgen.accelerate_model(copy.deepcopy(model), quantize="int8-dynamic")
-    int8 = lightgen.accelerate_model(model, quantize="int8")
+    with pytest.warns(RuntimeWarning, match=f"needs AVX-512 VNNI .* run weight-only {weight_only} "
+                                            f"\\(quantize='{weight_only}'\\)"):
+        dynamic = lightgen.accelerate_model(copy.deepcopy(model), quantize=f"{weight_only}-dynamic")
+    plain = lightgen.accelerate_model(model, quantize=weight_only)
     layers = [m._lightgen_linear for m in dynamic.modules() if "_lightgen_linear" in vars(m)]
     assert layers and all(w.dot is None for w in layers)
     ids, mask = padded_batch("llama", 3, 7, seed=9)
-    assert torch.equal(forward_logits(dynamic, "llama", ids, mask), forward_logits(int8, "llama", ids, mask))
+    assert torch.equal(forward_logits(dynamic, "llama", ids, mask), forward_logits(plain, "llama", ids, mask))

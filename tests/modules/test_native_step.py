@@ -59,9 +59,9 @@ def _scenario(decoder, native: bool, ids, mask):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(("quantize", "pack"), [(None, True), ("int8", True), ("int4", True), ("bf16", True),
-                                                ("int8-dynamic", True), (None, False)],
-                         ids=["fp32", "int8", "int4", "bf16", "int8-dynamic", "fp32-in-place"])
-@pytest.mark.filterwarnings("ignore:lightgen. quantize='int8-dynamic' needs AVX-512 VNNI")
+                                                ("int8-dynamic", True), ("int4-dynamic", True), (None, False)],
+                         ids=["fp32", "int8", "int4", "bf16", "int8-dynamic", "int4-dynamic", "fp32-in-place"])
+@pytest.mark.filterwarnings("ignore:lightgen. quantize='int[48]-dynamic' needs AVX-512 VNNI")
 def test_native_step_is_bit_identical_to_the_python_step(family, quantize, pack):
     """Packed weights run each layer's q/k/v and gate/up in one parallel loop (linear_panels); in place, one by one."""
     decoder = _decoder(lightgen.accelerate_model(build(family, seed=4), quantize=quantize, pack=pack))
@@ -121,8 +121,8 @@ LAYER_NORM_FAMILIES = ("bart", "mbart", "marian", "m2m_100", "pegasus", "opt")
 
 
 @pytest.mark.parametrize("family", LAYER_NORM_FAMILIES)
-@pytest.mark.parametrize("quantize", [None, "int8", "int8-dynamic"])
-@pytest.mark.filterwarnings("ignore:lightgen. quantize='int8-dynamic' needs AVX-512 VNNI")
+@pytest.mark.parametrize("quantize", [None, "int8", "int8-dynamic", "int4-dynamic"])
+@pytest.mark.filterwarnings("ignore:lightgen. quantize='int[48]-dynamic' needs AVX-512 VNNI")
 def test_layer_norm_and_cross_attention_families_step_natively_bit_identical(family, quantize):
     """Their logits from generate (greedy with padding, beams reordering rows and the cross-attention's sentences)
     with the native step equal the Python step's bit for bit, and the tokens are unpatched HF's."""

@@ -6,6 +6,7 @@ from conftest import linear_operand
 
 from lightgen import ops
 from lightgen.modules.linear import (
+    INT4_ACTIVATION_MIN_ROWS,
     INT8_ACTIVATION_MIN_ROWS,
     QuantFormat,
     packed_weights,
@@ -210,17 +211,18 @@ def test_opcheck_grouped(fmt):
                            24, 8))
 
 
-# int8 activations (quantize="int8-dynamic"): group sizes 4 (the smallest the dot layout takes), partial groups,
-# one group wider than K, zero points.
+# int8 activations (quantize="int8-dynamic" / "int4-dynamic"): group sizes 4 / 8 (the smallest the dot layouts
+# take), partial groups, one group wider than K, zero points (int4: always).
 DYNAMIC_FORMATS = [QuantFormat(8, 32), QuantFormat(8, 32, True), QuantFormat(8, 4), QuantFormat(8, 12, True),
-                   QuantFormat(8, 128)]
-DYNAMIC_IDS = [f"g{f.group_size}{'-zp' if f.zero_points else ''}" for f in DYNAMIC_FORMATS]
+                   QuantFormat(8, 128), QuantFormat(4, 32, True), QuantFormat(4, 8, True), QuantFormat(4, 24, True),
+                   QuantFormat(4, 128, True)]
+DYNAMIC_IDS = [f"int{f.bits}-g{f.group_size}{'-zp' if f.zero_points else ''}" for f in DYNAMIC_FORMATS]
 KERNELS = ["vnni", "portable"]
 
 
 def _dynamic(weight, fmt):
-    q, scale, offset = quantize_grouped(weight, 8, fmt.group_size, fmt.zero_points)
-    dot, sums = pack_int8_dot(q, fmt.group_size)
+    q, scale, offset = quantize_grouped(weight, fmt.bits, fmt.group_size, fmt.zero_points)
+    dot, sums = pack_int8_dot(q, fmt.group_size, weight.shape[1])
     return q, scale, offset, dot, sums
 
 
@@ -239,6 +241,19 @@ def test_int8_dot_layout_round_trips_and_sums_its_groups():
     assert dot[:, 11, :, 1:].eq(0).all() and dot[1, :, 6:].eq(0).all()  # padding k and columns
     with pytest.raises(ValueError, match="multiple of 4"):
         pack_int8_dot(q, 6)
+
+
+def test_int4_dot_layout_holds_eight_k_a_lane_low_nibbles_first():
+    q, _, _, dot, sums = _dynamic(torch.randn(70, 45), QuantFormat(4, 8, True))
+    assert dot.shape == (2, 6, 64, 4) and dot.dtype == torch.uint8 and sums is None
+    u = unpack_panels(q, 70)
+    u = torch.stack([u & 15, u >> 4], dim=2).view(70, -1)[:, :45]
+    assert torch.equal(unpack_int8_dot(dot, 45, 70), u)
+    # Column 69 (panel 1, column 5), lane 2: k 16..19 in the low nibbles, 20..23 in the high ones.
+    assert torch.equal(dot[1, 2, 5], u[69, 16:20] | (u[69, 20:24] << 4))
+    assert dot[:, 5, :, 1:].eq(0).all() and dot[:, 5, :, 0].le(15).all() and dot[1, :, 6:].eq(0).all()  # padding
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_int8_dot(q, 4, 45)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -264,10 +279,32 @@ def test_linear_int8_dynamic_matches_reference(monkeypatch, kernel, fmt, shape, 
     assert (got - weight_only).norm() <= 0.02 * (x.abs() @ w.abs().t()).norm()
 
 
+@pytest.mark.parametrize("fmt", [QuantFormat(8, 8), QuantFormat(8, 12, True), QuantFormat(4, 8, True),
+                                 QuantFormat(4, 32, True)], ids=["int8", "int8-zp", "int4-g8", "int4-g32"])
+@pytest.mark.parametrize("shape", [(7, 15), (130, 33), (70, 75)])
+def test_vnni_and_portable_kernels_give_the_same_bits(monkeypatch, fmt, shape):
+    """The same integers and the same float rounding (fused multiply-adds in one order) on both paths."""
+    if not int8_dot_available():
+        pytest.skip("this CPU or build has no AVX-512 VNNI")
+    gen = torch.Generator().manual_seed(shape[1])
+    _, scale, offset, dot, sums = _dynamic(torch.randn(*shape, generator=gen), fmt)
+    bias = torch.randn(shape[0], generator=gen)
+    for rows in [*range(1, 8), 13]:
+        x = torch.randn(rows, shape[1], generator=gen)
+        x[0, :5] = 0.0  # a partly zero group
+        outputs = []
+        for disable in ("0", "1"):
+            monkeypatch.setenv("LIGHTGEN_DISABLE_VNNI", disable)
+            outputs.append(ops.linear_int8_dynamic(x, dot, scale, offset, sums, bias, "gelu", shape[0],
+                                                   fmt.group_size))
+        assert torch.equal(*outputs), (rows, (outputs[0] - outputs[1]).abs().max())
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_linear_int8_dynamic_zero_and_non_finite_groups(monkeypatch, kernel):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_linear_int8_dynamic_zero_and_non_finite_groups(monkeypatch, kernel, bits):
     _kernel(monkeypatch, kernel)
-    _, scale, offset, dot, sums = _dynamic(torch.randn(70, 40), QuantFormat(8, 8, True))
+    _, scale, offset, dot, sums = _dynamic(torch.randn(70, 40), QuantFormat(bits, 8, True))
     x = torch.randn(4, 40)
     x[0] = 0.0
     x[1, :8] = 1e-38  # below the floor: rounds to 0, no inf from 127 / amax
@@ -284,8 +321,11 @@ def test_linear_int8_dynamic_bad_inputs_raise_named_errors():
     q, scale, _, dot, sums = _dynamic(torch.randn(8, 16), QuantFormat(8, 4))
     with pytest.raises(RuntimeError, match="group_size must be a positive multiple of 4, got 6"):
         ops.linear_int8_dynamic(x, dot, scale, None, sums, None, "none", 8, 6)
-    with pytest.raises(RuntimeError, match="'weight' must be int8 \\[panels, 4, 64, 4\\] for in_features=16"):
+    with pytest.raises(RuntimeError, match="'weight' must be int8 \\[panels, 4, 64, 4\\] or int4 as uint8 "
+                                           "\\[panels, 2, 64, 4\\] for in_features=16"):
         ops.linear_int8_dynamic(x, q, scale, None, sums, None, "none", 8, 4)
+    with pytest.raises(RuntimeError, match="'weight' must be int8 or uint8 \\(int4\\), got Float"):
+        ops.linear_int8_dynamic(x, dot.float(), scale, None, sums, None, "none", 8, 4)
     with pytest.raises(RuntimeError, match="'sums' must be a Int tensor of shape \\[1, 4, 64\\]"):
         ops.linear_int8_dynamic(x, dot, scale, None, sums.float(), None, "none", 8, 4)
     with pytest.raises(RuntimeError, match="'x' must be float32"):
@@ -294,29 +334,52 @@ def test_linear_int8_dynamic_bad_inputs_raise_named_errors():
         ops.linear_int8_dynamic(x, dot, scale, None, sums, None, "none", 65, 4)
 
 
-@pytest.mark.parametrize("zero_points", [False, True], ids=["int8", "int8-zp"])
-def test_opcheck_int8_dynamic(zero_points):
-    _, scale, offset, dot, sums = _dynamic(torch.randn(24, 33), QuantFormat(8, 8, zero_points))
+def test_linear_int8_dynamic_bad_int4_inputs_raise_named_errors():
+    x = torch.randn(2, 20)
+    _, scale, offset, dot, _ = _dynamic(torch.randn(8, 20), QuantFormat(4, 8, True))
+    with pytest.raises(RuntimeError, match="group_size must be a positive multiple of 8, got 4 \\(int4 weights\\)"):
+        ops.linear_int8_dynamic(x, dot, scale, offset, None, None, "none", 8, 4)
+    with pytest.raises(RuntimeError, match="int4 weights take no 'sums'"):
+        ops.linear_int8_dynamic(x, dot, scale, offset, torch.zeros(1, 3, 64, dtype=torch.int32), None, "none", 8, 8)
+    with pytest.raises(RuntimeError, match="int4 weights need their 'offset'"):
+        ops.linear_int8_dynamic(x, dot, scale, None, None, None, "none", 8, 8)
+    with pytest.raises(ValueError, match="int4 weights need their 'offset'"):
+        ops.linear_int8_dynamic_ref(x, dot, scale, None, None, None, "none", 8, 8)
+    with pytest.raises(RuntimeError, match="or int4 as uint8 \\[panels, 3, 64, 4\\] for in_features=20, got Byte "
+                                           "\\[1, 2, 64, 4\\]"):
+        ops.linear_int8_dynamic(x, dot[:, :2], scale, offset, None, None, "none", 8, 8)
+    with pytest.raises(RuntimeError, match="int8 weights need their 'sums'"):
+        ops.linear_int8_dynamic(torch.randn(2, 16), torch.zeros(1, 4, 64, 4, dtype=torch.int8), scale[:, :2],
+                                None, None, None, "none", 8, 8)
+
+
+@pytest.mark.parametrize("fmt", [QuantFormat(8, 8), QuantFormat(8, 8, True), QuantFormat(4, 8, True)],
+                         ids=["int8", "int8-zp", "int4"])
+def test_opcheck_int8_dynamic(fmt):
+    _, scale, offset, dot, sums = _dynamic(torch.randn(24, 33), fmt)
     torch.library.opcheck(torch.ops.lightgen.linear_int8_dynamic.default,
                           (torch.randn(3, 33), dot, scale, offset, sums, torch.randn(24), "gelu", 24, 8))
 
 
-def test_int8_dynamic_weights_choose_the_kernel_by_rows(monkeypatch):
-    """Below INT8_ACTIVATION_MIN_ROWS rows the weight-only kernel runs (bit-identical to quantize="int8"), from
-    there on the int8-activation one; without VNNI only the weight-only one."""
+@pytest.mark.parametrize(("precision", "min_rows"),
+                         [("int8", INT8_ACTIVATION_MIN_ROWS), ("int4", INT4_ACTIVATION_MIN_ROWS)])
+def test_dynamic_weights_choose_the_kernel_by_rows(monkeypatch, precision, min_rows):
+    """Below INT8_ACTIVATION_MIN_ROWS (int4: INT4_ACTIVATION_MIN_ROWS) rows the weight-only kernel runs (bit-identical
+    to quantize="int8" / "int4"), from there on the int8-activation one; without VNNI only the weight-only one."""
     weight, bias = torch.randn(96, 80), torch.randn(96)
-    int8 = packed_weights(weight, "int8")
+    weight_only = packed_weights(weight, precision)
     if not int8_dot_available():
-        assert packed_weights(weight, "int8-dynamic").dot is None
+        assert packed_weights(weight, f"{precision}-dynamic").dot is None
         pytest.skip("this CPU or build has no AVX-512 VNNI")
-    dynamic = packed_weights(weight, "int8-dynamic")
-    assert torch.equal(dynamic.weight, int8.weight) and dynamic.dot is not None
+    dynamic = packed_weights(weight, f"{precision}-dynamic")
+    assert torch.equal(dynamic.weight, weight_only.weight) and dynamic.dot is not None
+    assert dynamic.dot_min_rows == min_rows and weight_only.dot_min_rows == 0
     assert dynamic.max_rows == math.inf  # the native decode step runs both kernels, as run() picks them
-    for rows in (1, INT8_ACTIVATION_MIN_ROWS - 1, INT8_ACTIVATION_MIN_ROWS, 33):
+    for rows in sorted({1, max(min_rows - 1, 1), min_rows, 33}):
         x = torch.randn(rows, 80)
         expected = (ops.linear_int8_dynamic(x, dynamic.dot, dynamic.scale, dynamic.offset, dynamic.dot_sums, bias,
                                             "none", 96, 32)
-                    if rows >= INT8_ACTIVATION_MIN_ROWS else int8.run(x, bias))
+                    if rows >= min_rows else weight_only.run(x, bias))
         assert torch.equal(dynamic.run(x, bias), expected), rows
     monkeypatch.setenv("LIGHTGEN_DISABLE_VNNI", "1")
-    assert packed_weights(weight, "int8-dynamic").dot is None
+    assert packed_weights(weight, f"{precision}-dynamic").dot is None

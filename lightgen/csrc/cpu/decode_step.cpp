@@ -22,11 +22,14 @@ constexpr const char* kOp = "lightgen.decode_layers";
 // bias, undefined for RMSNorm or none), on q and on k (weights; undefined: none).
 enum NormSlot : int64_t { kSelfNorm = 0, kCrossNorm = 2, kFfnNorm = 4, kQNorm = 6, kKNorm = 7, kNorms = 8 };
 // Then each linear's weight, scale and offset (group-wise quantized only), bias, and with int8 activations
-// (quantize="int8-dynamic") its dot-product layout and group sums; undefined weight: none.
+// (quantize="int8-dynamic" / "int4-dynamic") its dot-product layout and group sums (int8 only); undefined weight: none.
 enum LinearIndex : int64_t { kQ, kK, kV, kOut, kCrossQ, kCrossOut, kFfnIn, kFfnUp, kFfnOut, kLinears };
 constexpr int64_t kTensorsPerLinear = 6;
 constexpr int64_t kTensorsPerLayer = kNorms + kTensorsPerLinear * kLinears;
-constexpr int64_t kIntsPerLayer = 1 + 2 * kLinears;  // the sliding window, then each linear's out_features, group_size
+// The sliding window, then each linear's out_features, group_size and the rows from which its int8-activation kernel
+// runs (LinearWeights.dot_min_rows of lightgen/modules/linear.py).
+constexpr int64_t kIntsPerLinear = 3;
+constexpr int64_t kIntsPerLayer = 1 + kIntsPerLinear * kLinears;
 
 struct Linear {
   c10::optional<Tensor> weight, scale, offset, bias, dot, dot_sums;
@@ -35,7 +38,7 @@ struct Linear {
   // LinearWeights.run of lightgen/modules/linear.py.
   Tensor operator()(const Tensor& x, c10::string_view act = "none") const {
     if (dynamic(x))
-      return linear_int8_dynamic(x, *dot, *scale, offset, *dot_sums, bias, act, out_features, group_size);
+      return linear_int8_dynamic(x, *dot, *scale, offset, dot_sums, bias, act, out_features, group_size);
     if (group_size > 0) return linear_grouped(x, *weight, *scale, offset, bias, act, out_features, group_size);
     return linear(x, *weight, c10::nullopt, bias, act, out_features);
   }
@@ -104,8 +107,7 @@ struct Shape {
 // written in place at lengths[n] + t; lengths: int64 [N]; mask: bool [N, Tmax] (true = attend) or None;
 // cos, sin: [N, T, D] (HF's rotary module's) or None (no rotary). cross_keys, cross_values: per layer the encoder
 // output's [N / expand, H, S, D] (empty: no cross-attention), encoder_keep: bool [N / expand, S] or None.
-// dot_min_rows: the rows from which linears with int8 activations run them (modules/linear.py's
-// INT8_ACTIVATION_MIN_ROWS). Returns the hidden states after the last layer.
+// Returns the hidden states after the last layer.
 Tensor decode_layers(const Tensor& hidden_in, const c10::List<c10::optional<Tensor>>& weight_list,
                      at::IntArrayRef layer_ints, at::TensorList k_caches, at::TensorList v_caches, int64_t rows,
                      const Tensor& lengths, const c10::optional<Tensor>& mask, const c10::optional<Tensor>& cos_in,
@@ -113,7 +115,7 @@ Tensor decode_layers(const Tensor& hidden_in, const c10::List<c10::optional<Tens
                      const c10::optional<Tensor>& encoder_keep, int64_t expand, int64_t heads, int64_t kv_heads,
                      int64_t head_dim, int64_t cross_heads, double eps, double qk_eps, double scale,
                      double cross_scale, double softcap, c10::string_view act, bool pre_norm, bool layer_norm,
-                     bool gated, bool scale_queries, int64_t dot_min_rows) {
+                     bool gated, bool scale_queries) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   LG_CHECK_CPU(kOp, hidden_in);
   TORCH_CHECK(hidden_in.scalar_type() == at::kFloat && hidden_in.dim() == 3, kOp,
@@ -162,10 +164,11 @@ Tensor decode_layers(const Tensor& hidden_in, const c10::List<c10::optional<Tens
                       : add_rms_norm(x, residual, weight_of(layer, slot), eps);
   };
   auto projection = [&](int64_t layer, int64_t index) {
-    const int64_t slot = kNorms + kTensorsPerLinear * index, ints = layer * kIntsPerLayer + 1 + 2 * index;
+    const int64_t slot = kNorms + kTensorsPerLinear * index;
+    const int64_t ints = layer * kIntsPerLayer + 1 + kIntsPerLinear * index;
     Linear l{tensor(layer, slot),     tensor(layer, slot + 1), tensor(layer, slot + 2), tensor(layer, slot + 3),
              tensor(layer, slot + 4), tensor(layer, slot + 5), layer_ints[ints],        layer_ints[ints + 1],
-             dot_min_rows};
+             layer_ints[ints + 2]};
     TORCH_CHECK(l.weight.has_value() && (l.group_size == 0 || l.scale.has_value()), kOp, ": layer ", layer,
                 " linear ", index, " needs its weight (and, group-wise quantized, its scale)");
     return l;
@@ -238,7 +241,7 @@ TORCH_LIBRARY_FRAGMENT(lightgen, m) {
         "Tensor(b!)[] v_caches, int rows, Tensor lengths, Tensor? mask, Tensor? cos, Tensor? sin, Tensor[] cross_keys, "
         "Tensor[] cross_values, Tensor? encoder_keep, int expand, int heads, int kv_heads, int head_dim, "
         "int cross_heads, float eps, float qk_eps, float scale, float cross_scale, float softcap, str act, "
-        "bool pre_norm, bool layer_norm, bool gated, bool scale_queries, int dot_min_rows) -> Tensor");
+        "bool pre_norm, bool layer_norm, bool gated, bool scale_queries) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lightgen, CPU, m) {

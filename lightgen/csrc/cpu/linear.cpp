@@ -416,24 +416,31 @@ void grouped_panel(const PanelJob& job, const float* x, int64_t m, int64_t k_len
 // int8 activations (lightgen.linear_int8_dynamic): each row's group of group_size k (the weight's groups) is
 // rounded to a = round(x * 127 / amax) in -127..127 with its own step t = amax / 127, so a group's integer dot
 // product I = sum a q is exact in int32 and y = sum_g t s[g] I[g] (+ offset[g] * sum_g x, the exact float sum).
-// vpdpbusd multiplies unsigned by signed bytes: activations go in as a + 128 (1..255) and each group's
-// accumulator starts at -128 * sum_g q (``sums``, made at pack time), which takes the shift back out exactly.
-// The weight is in its own layout [P, ceil(K / 4), 64, 4]: 4 consecutive k of a column per 32-bit lane.
+// vpdpbusd multiplies unsigned by signed bytes. Two weight formats, each in its own layout, 32-bit lanes of one
+// column's consecutive k, [P, lanes, 64, 4]:
+//   int8 (q signed): 4 k a lane. Activations go in as a + 128 (1..255) and each group's accumulator starts at
+//     -128 * sum_g q (``sums``, made at pack time), which takes the shift back out exactly.
+//   int4 (``nibbles``, u in 0..15 unsigned): 8 k a lane, k0..k3 in the low nibbles of its 4 bytes, k4..k7 in the
+//     high ones. u is the unsigned operand and a the signed one as it is: no shift and no sums.
 constexpr float kActFloor = 1e-30f;  // groups of smaller magnitude (zeros) quantize to 0 without inf / NaN
 
+// k per 32-bit weight lane of the dot layout.
+constexpr int64_t lane_k(bool nibbles) { return nibbles ? 8 : 4; }
+
 struct QuantizedRows {
-  std::vector<uint8_t> q;  // [M, k4 * 4]: a + 128, padding k = 128 (a = 0)
+  std::vector<uint8_t> q;  // [M, lanes * lane_k]: a + shift (int4: a as int8), padding k = shift (a = 0)
   std::vector<float> step, sum;  // [M, G]: t (NaN for a group holding inf / NaN) and the group's float sum
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k_len, int64_t k4, int64_t group_size) {
+QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k_len, int64_t stride, int64_t group_size,
+                            int32_t shift) {
   const int64_t groups = (k_len + group_size - 1) / group_size;
-  QuantizedRows out{std::vector<uint8_t>(m * k4 * 4, 128), std::vector<float>(m * groups),
+  QuantizedRows out{std::vector<uint8_t>(m * stride, static_cast<uint8_t>(shift)), std::vector<float>(m * groups),
                     std::vector<float>(m * groups)};
   at::parallel_for(0, m, row_grain(k_len), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* xi = x + i * k_len;
-      uint8_t* q = out.q.data() + i * k4 * 4;
+      uint8_t* q = out.q.data() + i * stride;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t k0 = g * group_size, k1 = std::min(k_len, k0 + group_size);
         float amax = 0.f, total = 0.f;
@@ -467,11 +474,12 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k_len, int64_t k4
           const __mmask16 mask = lanes(k);
           __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, xi + k), _mm512_set1_ps(inv)));
           v = _mm512_min_epi32(_mm512_max_epi32(v, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
-          _mm512_mask_cvtepi32_storeu_epi8(q + k, mask, _mm512_add_epi32(v, _mm512_set1_epi32(128)));
+          _mm512_mask_cvtepi32_storeu_epi8(q + k, mask, _mm512_add_epi32(v, _mm512_set1_epi32(shift)));
         }
 #else
         for (int64_t k = k0; k < k1; ++k)
-          q[k] = static_cast<uint8_t>(std::clamp(std::nearbyint(xi[k] * inv), -127.f, 127.f) + 128.f);
+          q[k] = static_cast<uint8_t>(static_cast<int32_t>(std::clamp(std::nearbyint(xi[k] * inv), -127.f, 127.f)) +
+                                      shift);
 #endif
       }
     }
@@ -481,29 +489,40 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k_len, int64_t k4
 
 // What one rows x 64 tile of a panel needs: the quantized rows and the panel's weights, scales, offsets, sums.
 struct DotPanel {
-  const uint8_t* q;  // first row's activations; row stride k4 * 4
+  const uint8_t* q;  // first row's activations; row stride lanes * lane_k
   const float* step;  // [rows, G]
   const float* sum;
-  const int8_t* w;  // [k4, 64, 4]
+  const uint8_t* w;  // [lanes, 64, 4]: int8 q, or int4 u pairs (nibbles)
   const float* scale;  // [G, 64]
   const float* offset;  // [G, 64] or null
-  const int32_t* sums;  // [G, 64]: -128 * sum of the group's q
-  int64_t k4, group4, groups;
+  const int32_t* sums;  // [G, 64]: -128 * sum of the group's q (int8), null (int4)
+  int64_t lanes, group_lanes, groups;
+
+  // The weight lane range of group g.
+  int64_t lane_end(int64_t g) const { return std::min(lanes, (g + 1) * group_lanes); }
 };
 
-// Any CPU: the same integers, one column at a time.
-template <int64_t rows>
+// Any CPU: the same integers, one column at a time, and the same float rounding as dot_tile_vnni (explicit fused
+// multiply-adds in its order), so both give the same bits.
+template <int64_t rows, bool nibbles>
 void dot_tile_portable(const DotPanel& p, float* y, int64_t ld_y) {
+  constexpr int64_t per_lane = lane_k(nibbles);
   for (int64_t i = 0; i < rows; ++i) {
-    const uint8_t* q = p.q + i * p.k4 * 4;
+    const uint8_t* q = p.q + i * p.lanes * per_lane;
     for (int64_t c = 0; c < kPanel; ++c) {
       float acc = 0.f;
       for (int64_t g = 0; g < p.groups; ++g) {
-        int32_t dot = p.sums[g * kPanel + c];
-        for (int64_t k4 = g * p.group4; k4 < std::min(p.k4, (g + 1) * p.group4); ++k4)
-          for (int64_t b = 0; b < 4; ++b) dot += int32_t(q[k4 * 4 + b]) * int32_t(p.w[(k4 * kPanel + c) * 4 + b]);
-        acc += float(dot) * (p.scale[g * kPanel + c] * p.step[i * p.groups + g]);
-        if (p.offset) acc += p.offset[g * kPanel + c] * p.sum[i * p.groups + g];
+        int32_t dot = nibbles ? 0 : p.sums[g * kPanel + c];
+        for (int64_t lane = g * p.group_lanes; lane < p.lane_end(g); ++lane)
+          for (int64_t b = 0; b < per_lane; ++b) {
+            const uint8_t byte = p.w[(lane * kPanel + c) * 4 + b % 4];
+            const uint8_t act = q[lane * per_lane + b];
+            dot += nibbles ? int32_t(static_cast<int8_t>(act)) * ((byte >> (b / 4 * 4)) & 15)
+                           : int32_t(act) * int32_t(static_cast<int8_t>(byte));
+          }
+        const float dt = p.scale[g * kPanel + c] * p.step[i * p.groups + g];
+        acc = std::fma(float(dot), dt, acc);
+        if (p.offset) acc = std::fma(p.offset[g * kPanel + c], p.sum[i * p.groups + g], acc);
       }
       y[i * ld_y + c] = acc;
     }
@@ -512,29 +531,45 @@ void dot_tile_portable(const DotPanel& p, float* y, int64_t ld_y) {
 
 #if defined(CPU_CAPABILITY_AVX512)
 // AVX-512 VNNI, compiled for it here and run only where the CPU reports it (has_vnni). 3 rows x 4 vectors of 16
-// columns: 12 int32 and 12 float accumulators, 4 weight vectors and a broadcast fit the 32 registers.
+// columns: 12 int32 and 12 float accumulators, 4 weight vectors and a broadcast fit the 32 registers (int4: the
+// nibbles split into 8, the float accumulators wait in L1 between groups).
 constexpr int64_t kDotRows = 3;
 
-template <int64_t rows>
+template <int64_t rows, bool nibbles>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void dot_tile_vnni(const DotPanel& p, float* y,
                                                                           int64_t ld_y) {
+  constexpr int64_t per_lane = lane_k(nibbles);
   __m512 acc[rows][4];
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.groups; ++g) {
     __m512i dot[rows][4];
     for (int64_t v = 0; v < 4; ++v) {
-      const __m512i start = _mm512_loadu_si512(p.sums + g * kPanel + v * 16);
+      const __m512i start = nibbles ? _mm512_setzero_si512() : _mm512_loadu_si512(p.sums + g * kPanel + v * 16);
       for (int64_t i = 0; i < rows; ++i) dot[i][v] = start;
     }
-    for (int64_t k4 = g * p.group4, end = std::min(p.k4, k4 + p.group4); k4 < end; ++k4) {
-      __m512i wv[4];
-      for (int64_t v = 0; v < 4; ++v) wv[v] = _mm512_loadu_si512(p.w + k4 * kPanel * 4 + v * 64);
+    for (int64_t lane = g * p.group_lanes, end = p.lane_end(g); lane < end; ++lane) {
+      // int8: the weight is the signed operand; int4: its low and high nibbles are the unsigned ones.
+      __m512i wv[nibbles ? 8 : 4];
+      for (int64_t v = 0; v < 4; ++v) {
+        const __m512i raw = _mm512_loadu_si512(p.w + lane * kPanel * 4 + v * 64);
+        if constexpr (nibbles) {
+          wv[v] = _mm512_and_si512(raw, _mm512_set1_epi8(15));
+          wv[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(15));
+        } else {
+          wv[v] = raw;
+        }
+      }
       for (int64_t i = 0; i < rows; ++i) {
-        int32_t four;
-        std::memcpy(&four, p.q + i * p.k4 * 4 + k4 * 4, 4);
-        const __m512i a = _mm512_set1_epi32(four);
-        for (int64_t v = 0; v < 4; ++v) dot[i][v] = _mm512_dpbusd_epi32(dot[i][v], a, wv[v]);
+        const uint8_t* a = p.q + i * p.lanes * per_lane + lane * per_lane;
+        for (int64_t half = 0; half < per_lane / 4; ++half) {
+          int32_t four;
+          std::memcpy(&four, a + half * 4, 4);
+          const __m512i av = _mm512_set1_epi32(four);
+          for (int64_t v = 0; v < 4; ++v)
+            dot[i][v] = nibbles ? _mm512_dpbusd_epi32(dot[i][v], wv[v + 4 * half], av)
+                                : _mm512_dpbusd_epi32(dot[i][v], av, wv[v]);
+        }
       }
     }
     for (int64_t v = 0; v < 4; ++v) {
@@ -566,30 +601,33 @@ bool has_vnni() {
 constexpr int64_t kDotRows = 1;
 #endif
 
-void linear_rows_int8_dynamic(const float* x, int64_t m, int64_t k_len, const int8_t* w, int64_t n,
-                              int64_t group_size, const float* scale, const float* offset, const int32_t* sums,
-                              const float* bias, Act act, float* y) {
-  const int64_t k4 = (k_len + 3) / 4, groups = (k_len + group_size - 1) / group_size;
-  const QuantizedRows rows = quantize_rows(x, m, k_len, k4, group_size);
+template <bool nibbles>
+void linear_rows_dynamic(const float* x, int64_t m, int64_t k_len, const uint8_t* w, int64_t n, int64_t group_size,
+                         const float* scale, const float* offset, const int32_t* sums, const float* bias, Act act,
+                         float* y) {
+  constexpr int64_t per_lane = lane_k(nibbles);
+  const int64_t lanes = (k_len + per_lane - 1) / per_lane, groups = (k_len + group_size - 1) / group_size;
+  const QuantizedRows rows = quantize_rows(x, m, k_len, lanes * per_lane, group_size, nibbles ? 0 : 128);
 #if defined(CPU_CAPABILITY_AVX512)
   const bool vnni = has_vnni();
 #else
   constexpr bool vnni = false;
 #endif
-  at::parallel_for(0, (n + kPanel - 1) / kPanel, panel_grain(k_len, 1), [&](int64_t begin, int64_t end) {
+  const int64_t panel_bytes = lanes * 4;  // per column
+  at::parallel_for(0, (n + kPanel - 1) / kPanel, panel_grain(panel_bytes, 1), [&](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t col = panel * kPanel, at = panel * groups * kPanel;
-      DotPanel p{nullptr, nullptr, nullptr, w + panel * k4 * kPanel * 4, scale + at, offset ? offset + at : nullptr,
-                 sums + at, k4, group_size / 4, groups};
+      DotPanel p{nullptr, nullptr, nullptr, w + panel * panel_bytes * kPanel, scale + at,
+                 offset ? offset + at : nullptr, sums ? sums + at : nullptr, lanes, group_size / per_lane, groups};
       panel_rows<kDotRows>(m, std::min(kPanel, n - col), y + col, n, [&](auto r, int64_t i, float* out, int64_t ld) {
         DotPanel tile = p;
-        tile.q = rows.q.data() + i * k4 * 4;
+        tile.q = rows.q.data() + i * lanes * per_lane;
         tile.step = rows.step.data() + i * groups;
         tile.sum = rows.sum.data() + i * groups;
 #if defined(CPU_CAPABILITY_AVX512)
-        if (vnni) return dot_tile_vnni<decltype(r)::value>(tile, out, ld);
+        if (vnni) return dot_tile_vnni<decltype(r)::value, nibbles>(tile, out, ld);
 #endif
-        dot_tile_portable<decltype(r)::value>(tile, out, ld);
+        dot_tile_portable<decltype(r)::value, nibbles>(tile, out, ld);
       });
     }
     run_epilogue(act, y, m, n, begin * kPanel, std::min(n, end * kPanel), nullptr, bias);
@@ -786,11 +824,13 @@ std::vector<Tensor> linear_panels(const Tensor& x_in, const std::vector<PanelLin
 }
 
 
-// x: [..., K] float32. weight: int8 [P, ceil(K / 4), 64, 4] (pack_int8_dot: 4 consecutive k of a column per 32-bit
-// lane, zero-padded), P = ceil(out_features / 64). scale / offset: float32 [P, G, 64], G = ceil(K / group_size), as
-// linear_grouped's; sums: int32 [P, G, 64], -128 x the sum of each group's q. group_size: a multiple of 4.
+// x: [..., K] float32. weight (pack_int8_dot, P = ceil(out_features / 64), zero-padded): int8 [P, ceil(K / 4), 64, 4],
+// 4 consecutive k of a column per 32-bit lane; or int4 as uint8 [P, ceil(K / 8), 64, 4], 8 consecutive k per lane
+// (k0..k3 in its bytes' low nibbles, k4..k7 in the high ones). scale / offset: float32 [P, G, 64],
+// G = ceil(K / group_size), as linear_grouped's (int4: offset required). sums: int8 only, int32 [P, G, 64], -128 x
+// the sum of each group's q. group_size: a multiple of the k per lane.
 Tensor linear_int8_dynamic(const Tensor& x_in, const Tensor& weight_in, const Tensor& scale_in,
-                           const c10::optional<Tensor>& offset_in, const Tensor& sums_in,
+                           const c10::optional<Tensor>& offset_in, const c10::optional<Tensor>& sums_in,
                            const c10::optional<Tensor>& bias_in, c10::string_view act_name, int64_t out_features,
                            int64_t group_size) {
   constexpr const char* op = "lightgen.linear_int8_dynamic";
@@ -798,13 +838,23 @@ Tensor linear_int8_dynamic(const Tensor& x_in, const Tensor& weight_in, const Te
   LG_CHECK_CPU(op, x_in);
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() >= 1, op, ": 'x' must be float32 [..., in_features], got ",
               x_in.scalar_type(), " ", x_in.sizes());
-  TORCH_CHECK(group_size >= 4 && group_size % 4 == 0, op, ": group_size must be a positive multiple of 4, got ",
-              group_size);
-  const int64_t k_len = x_in.size(-1), k4 = (k_len + 3) / 4, groups = (k_len + group_size - 1) / group_size;
-  TORCH_CHECK(weight_in.device() == x_in.device() && weight_in.scalar_type() == at::kChar && weight_in.dim() == 4 &&
-                  weight_in.size(1) == k4 && weight_in.size(2) == kPanel && weight_in.size(3) == 4,
-              op, ": 'weight' must be int8 [panels, ", k4, ", ", kPanel, ", 4] for in_features=", k_len, ", got ",
-              weight_in.scalar_type(), " ", weight_in.sizes());
+  const bool nibbles = weight_in.scalar_type() == at::kByte;
+  const int64_t per_lane = lane_k(nibbles), bits = nibbles ? 4 : 8;
+  TORCH_CHECK(group_size >= per_lane && group_size % per_lane == 0, op, ": group_size must be a positive multiple of ",
+              per_lane, ", got ", group_size, " (int", bits, " weights)");
+  const int64_t k_len = x_in.size(-1), lanes = (k_len + per_lane - 1) / per_lane;
+  const int64_t groups = (k_len + group_size - 1) / group_size;
+  TORCH_CHECK(weight_in.device() == x_in.device() && weight_in.dim() == 4 && weight_in.size(1) == lanes &&
+                  weight_in.size(2) == kPanel && weight_in.size(3) == 4,
+              op, ": 'weight' must be int8 [panels, ", (k_len + 3) / 4, ", ", kPanel, ", 4] or int4 as uint8 [panels, ",
+              (k_len + 7) / 8, ", ", kPanel, ", 4] for in_features=", k_len, ", got ", weight_in.scalar_type(), " ",
+              weight_in.sizes());
+  TORCH_CHECK(nibbles || weight_in.scalar_type() == at::kChar, op, ": 'weight' must be int8 or uint8 (int4), got ",
+              weight_in.scalar_type());
+  TORCH_CHECK(nibbles != sums_in.has_value(), op,
+              nibbles ? ": int4 weights take no 'sums' (their values are unsigned)"
+                      : ": int8 weights need their 'sums'");
+  TORCH_CHECK(!nibbles || offset_in.has_value(), op, ": int4 weights need their 'offset' (zero points)");
   const int64_t panels = weight_in.size(0);
   TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel, op,
               ": packed weights need out_features in (", (panels - 1) * kPanel, ", ", panels * kPanel, "], got ",
@@ -814,7 +864,7 @@ Tensor linear_int8_dynamic(const Tensor& x_in, const Tensor& weight_in, const Te
   for (auto [given, kept, name, shape, dtype] :
        {std::tuple{&scale_in, &scale, "scale", &per_group, at::kFloat},
         std::tuple{offset_in ? &*offset_in : nullptr, &offset, "offset", &per_group, at::kFloat},
-        std::tuple{&sums_in, &sums, "sums", &per_group, at::kInt},
+        std::tuple{sums_in ? &*sums_in : nullptr, &sums, "sums", &per_group, at::kInt},
         std::tuple{bias_in ? &*bias_in : nullptr, &bias, "bias", &per_column, at::kFloat}}) {
     if (given == nullptr) continue;
     TORCH_CHECK(given->device() == x_in.device() && given->scalar_type() == dtype &&
@@ -829,10 +879,11 @@ Tensor linear_int8_dynamic(const Tensor& x_in, const Tensor& weight_in, const Te
   Tensor y = at::empty(out_sizes, x.options());
   const int64_t m = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
   if (m == 0) return y;
-  linear_rows_int8_dynamic(x.data_ptr<float>(), m, k_len, weight.data_ptr<int8_t>(), out_features, group_size,
-                           scale.data_ptr<float>(), offset.defined() ? offset.data_ptr<float>() : nullptr,
-                           sums.data_ptr<int32_t>(), bias.defined() ? bias.data_ptr<float>() : nullptr, act,
-                           y.data_ptr<float>());
+  auto run = nibbles ? linear_rows_dynamic<true> : linear_rows_dynamic<false>;
+  run(x.data_ptr<float>(), m, k_len, static_cast<const uint8_t*>(weight.data_ptr()), out_features, group_size,
+      scale.data_ptr<float>(), offset.defined() ? offset.data_ptr<float>() : nullptr,
+      sums.defined() ? sums.data_ptr<int32_t>() : nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr, act,
+      y.data_ptr<float>());
   return y;
 }
 }  // namespace lightgen

@@ -25,7 +25,7 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at:
                                                   const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                                                   double eps);
 at::Tensor linear_int8_dynamic(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                               const c10::optional<at::Tensor>& offset, const at::Tensor& sums,
+                               const c10::optional<at::Tensor>& offset, const c10::optional<at::Tensor>& sums,
                                const c10::optional<at::Tensor>& bias, c10::string_view act, int64_t out_features,
                                int64_t group_size);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
