@@ -71,7 +71,11 @@ IN_PLACE_MAX_ROWS = 48
 # both stream the same bytes, the weight-only one exactly), 2 rows 18.0 / 15.0 and 20.7 / 11.0, 4 rows
 # 17.2 / 14.6 and 28.3 / 23.1, 8 rows 30.1 / 17.8, 16: 56.4 / 27.9, 32: 109 / 49.9, 64: 304 / 150.
 INT8_ACTIVATION_MIN_ROWS = 2
-# int4-dynamic: the same for int4's weights (below: linear_grouped's int4, exactly quantize="int4"). MEASURE
+# int4-dynamic: the same for int4's weights (below: linear_grouped's int4, exactly quantize="int4"). From 1 row on:
+# int4's fp32 dequantize costs more than rounding x. benchmarks/matmul.py --shapes smollm2 --providers lightgen-int4
+# lightgen-int4-dynamic (1 thread, AVX-512 VNNI Zen 4, other processes on 51% of the CPUs, 14.4 GB/s), ms a step int4
+# / int4 weights x int8 activations: 1 row 12.8 / 10.5, 2: 15.7 / 11.0, 4: 17.2 / 13.5, 8: 38.5 / 18.7,
+# 16: 58.3 / 26.2, 32: 154 / 82.5 (a --quick run before it, same load: 1 row 12.9 / 13.8, 2 rows 14.4 / 14.3).
 INT4_ACTIVATION_MIN_ROWS = 1
 
 
