@@ -43,7 +43,7 @@ def linear_int8_dynamic(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     ``offset`` its own; int4: with zero points, no ``sums``) times int8 activations: each row's groups of
     ``group_size`` k (a multiple of 4, int4: of 8) are rounded by ``quantize_activations`` and multiplied in
     int32 (VNNI where the CPU has it). Lossy: x is rounded to 8 bits per group, where ``linear_grouped`` takes
-    it as it is.
+    it as it is (``linear_int8_dynamic_ref`` is the exact specification).
     """
     return _build.op("linear_int8_dynamic")(x, weight, scale, offset, sums, bias, act, out_features, group_size)
 
@@ -213,8 +213,9 @@ def linear_grouped_ref(x, weight, scale, offset, bias, act, out_features, group_
 
 def linear_int8_dynamic_ref(x, weight, scale, offset, sums, bias, act, out_features, group_size):
     """The specification: y = sum over groups g of step[m, g] scale[n, g] (sum_k a[m, k] q[n, k]) (+ offset[n, g]
-    x the float sum of row m's group g), + bias; q: int8 q or int4 u. ``sums`` is the kernel's means, not part of
-    the result."""
+    x S[m, g]), + bias. int8: q, S the float sum of row m's group g; int4: u, S = step[m, g] x the sum of its a (the
+    rounded x's sum: y is then the rounded x times the dequantized w, whose offset is the group's minimum). ``sums``
+    is the kernel's means, not part of the result."""
     if weight.dtype == torch.uint8 and offset is None:
         raise ValueError("linear_int8_dynamic: int4 weights need their 'offset' (zero points)")
     in_features = x.shape[-1]
@@ -226,6 +227,8 @@ def linear_int8_dynamic_ref(x, weight, scale, offset, sums, bias, act, out_featu
     per_group = unpack_panels(scale, out_features)  # [N, G]
     y = (dots * step[:, None, :] * per_group).sum(dim=2)
     if offset is not None:
+        if weight.dtype == torch.uint8:
+            total = step * a.sum(dim=2)
         y = y + total @ unpack_panels(offset, out_features).t()
     if bias is not None:
         y = y + bias

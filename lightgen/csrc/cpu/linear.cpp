@@ -415,25 +415,30 @@ void grouped_panel(const PanelJob& job, const float* x, int64_t m, int64_t k_len
 
 // int8 activations (lightgen.linear_int8_dynamic): each row's group of group_size k (the weight's groups) is
 // rounded to a = round(x * 127 / amax) in -127..127 with its own step t = amax / 127, so a group's integer dot
-// product I = sum a q is exact in int32 and y = sum_g t s[g] I[g] (+ offset[g] * sum_g x, the exact float sum).
+// product I = sum a q is exact in int32 and y = sum_g t s[g] I[g] + offset[g] * S[g] (with zero points).
 // vpdpbusd multiplies unsigned by signed bytes. Two weight formats, each in its own layout, 32-bit lanes of one
 // column's consecutive k, [P, lanes, 64, 4]:
 //   int8 (q signed): 4 k a lane. Activations go in as a + 128 (1..255) and each group's accumulator starts at
-//     -128 * sum_g q (``sums``, made at pack time), which takes the shift back out exactly.
+//     -128 * sum_g q (``sums``, made at pack time), which takes the shift back out exactly. S = sum_g x, the exact
+//     float sum (q is centred: the zero points' offsets sit mid-range).
 //   int4 (``nibbles``, u in 0..15 unsigned): 8 k a lane, k0..k3 in the low nibbles of its 4 bytes, k4..k7 in the
-//     high ones. u is the unsigned operand and a the signed one as it is: no shift and no sums.
+//     high ones. u is the unsigned operand and a the signed one as it is: no shift and no sums. S = t * sum_g a, the
+//     rounded x's sum (Q8_1's s), so y is the exact product of the rounded x with the dequantized w: the offset is
+//     the group's minimum, and with x's own sum the rounding error would meet w - min (0..15 steps, not centred)
+//     instead of w (SmolLM2: 6x the KL, benchmarks/quantize_quality.py).
 constexpr float kActFloor = 1e-30f;  // groups of smaller magnitude (zeros) quantize to 0 without inf / NaN
 
 // k per 32-bit weight lane of the dot layout.
 constexpr int64_t lane_k(bool nibbles) { return nibbles ? 8 : 4; }
 
 struct QuantizedRows {
-  std::vector<uint8_t> q;  // [M, lanes * lane_k]: a + shift (int4: a as int8), padding k = shift (a = 0)
-  std::vector<float> step, sum;  // [M, G]: t (NaN for a group holding inf / NaN) and the group's float sum
+  std::vector<uint8_t> q;  // [M, lanes * lane_k]: a + 128 (int4: a as int8), padding k: a = 0
+  std::vector<float> step, sum;  // [M, G]: t (NaN for a group holding inf / NaN) and S (above)
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k_len, int64_t stride, int64_t group_size,
-                            int32_t shift) {
+template <bool nibbles>
+QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k_len, int64_t stride, int64_t group_size) {
+  constexpr int32_t shift = nibbles ? 0 : 128;
   const int64_t groups = (k_len + group_size - 1) / group_size;
   QuantizedRows out{std::vector<uint8_t>(m * stride, static_cast<uint8_t>(shift)), std::vector<float>(m * groups),
                     std::vector<float>(m * groups)};
@@ -462,25 +467,33 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k_len, int64_t st
         }
 #endif
         out.sum[i * groups + g] = total;
-        if (!std::isfinite(amax) || !std::isfinite(total)) {  // inf / NaN: the group's a stay 0, its t NaN
+        if (!std::isfinite(amax) || !std::isfinite(total)) {  // inf / NaN: the group's a stay 0, its t and S NaN
           out.step[i * groups + g] = std::numeric_limits<float>::quiet_NaN();
+          if (nibbles) out.sum[i * groups + g] = out.step[i * groups + g];
           continue;
         }
         amax = std::max(amax, kActFloor);
-        const float inv = 127.f / amax;
-        out.step[i * groups + g] = amax / 127.f;
+        const float inv = 127.f / amax, step = amax / 127.f;
+        out.step[i * groups + g] = step;
+        int32_t rounded = 0;  // sum_g a
 #if defined(CPU_CAPABILITY_AVX512)
+        __m512i vrounded = _mm512_setzero_si512();
         for (int64_t k = k0; k < k1; k += 16) {  // the same rounding (to nearest even) as std::nearbyint below
           const __mmask16 mask = lanes(k);
           __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, xi + k), _mm512_set1_ps(inv)));
           v = _mm512_min_epi32(_mm512_max_epi32(v, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+          vrounded = _mm512_add_epi32(vrounded, v);  // masked-off lanes loaded 0
           _mm512_mask_cvtepi32_storeu_epi8(q + k, mask, _mm512_add_epi32(v, _mm512_set1_epi32(shift)));
         }
+        rounded = _mm512_reduce_add_epi32(vrounded);
 #else
-        for (int64_t k = k0; k < k1; ++k)
-          q[k] = static_cast<uint8_t>(static_cast<int32_t>(std::clamp(std::nearbyint(xi[k] * inv), -127.f, 127.f)) +
-                                      shift);
+        for (int64_t k = k0; k < k1; ++k) {
+          const int32_t a = static_cast<int32_t>(std::clamp(std::nearbyint(xi[k] * inv), -127.f, 127.f));
+          rounded += a;
+          q[k] = static_cast<uint8_t>(a + shift);
+        }
 #endif
+        if (nibbles) out.sum[i * groups + g] = step * static_cast<float>(rounded);
       }
     }
   });
@@ -607,7 +620,7 @@ void linear_rows_dynamic(const float* x, int64_t m, int64_t k_len, const uint8_t
                          float* y) {
   constexpr int64_t per_lane = lane_k(nibbles);
   const int64_t lanes = (k_len + per_lane - 1) / per_lane, groups = (k_len + group_size - 1) / group_size;
-  const QuantizedRows rows = quantize_rows(x, m, k_len, lanes * per_lane, group_size, nibbles ? 0 : 128);
+  const QuantizedRows rows = quantize_rows<nibbles>(x, m, k_len, lanes * per_lane, group_size);
 #if defined(CPU_CAPABILITY_AVX512)
   const bool vnni = has_vnni();
 #else
