@@ -75,7 +75,7 @@ INT8_ACTIVATION_MIN_ROWS = 2
 # int4's fp32 dequantize costs more than rounding x. benchmarks/matmul.py --shapes smollm2 --providers lightgen-int4
 # lightgen-int4-dynamic (1 thread, AVX-512 VNNI Zen 4, other processes on 51% of the CPUs, 14.4 GB/s), ms a step int4
 # / int4 weights x int8 activations: 1 row 12.8 / 10.5, 2: 15.7 / 11.0, 4: 17.2 / 13.5, 8: 38.5 / 18.7,
-# 16: 58.3 / 26.2, 32: 154 / 82.5 (a --quick run before it, same load: 1 row 12.9 / 13.8, 2 rows 14.4 / 14.3).
+# 16: 58.3 / 26.2, 32: 154 / 82.5 (a --quick run before it, same load, both noisy: 1 row 12.9 / 13.8, 2: 14.4 / 14.3).
 INT4_ACTIVATION_MIN_ROWS = 1
 
 
@@ -148,6 +148,8 @@ def packed_weights(weight: torch.Tensor, precision: str | None, fmt: QuantFormat
     if precision == "bf16":
         return LinearWeights(pack_panels(weight.to(torch.bfloat16)), weight.shape[0], precision=precision)
     fmt = fmt or FORMATS[precision]
+    if fmt.activations and fmt.bits == 4 and not fmt.zero_points:
+        raise ValueError(f"packed_weights: int4 with int8 activations needs zero points, got {fmt}")
     if fmt.zero_points is not None:
         packed, scale, offset = quantize_grouped(weight, fmt.bits, fmt.group_size, fmt.zero_points)
     else:

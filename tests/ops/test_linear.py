@@ -349,6 +349,8 @@ def test_linear_int8_dynamic_bad_int4_inputs_raise_named_errors():
     with pytest.raises(RuntimeError, match="or int4 as uint8 \\[panels, 3, 64, 4\\] for in_features=20, got Byte "
                                            "\\[1, 2, 64, 4\\]"):
         ops.linear_int8_dynamic(x, dot[:, :2], scale, offset, None, None, "none", 8, 8)
+    with pytest.raises(ValueError, match="int4 with int8 activations needs zero points"):
+        packed_weights(torch.randn(8, 20), "int4-dynamic", QuantFormat(4, 32, False, activations=True))
     with pytest.raises(RuntimeError, match="int8 weights need their 'sums'"):
         ops.linear_int8_dynamic(torch.randn(2, 16), torch.zeros(1, 4, 64, 4, dtype=torch.int8), scale[:, :2],
                                 None, None, None, "none", 8, 8)
