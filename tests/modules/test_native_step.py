@@ -77,7 +77,8 @@ def test_native_step_is_bit_identical_to_the_python_step(family, quantize, pack)
         assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+@pytest.mark.parametrize("quantize", [None, "int8", "int4", "int8-dynamic", "int4-dynamic"])
+@pytest.mark.filterwarnings("ignore:lightgen. quantize='int[48]-dynamic' needs AVX-512 VNNI")
 def test_layers_sharing_one_parallel_loop_split_across_threads_as_alone(quantize):
     """Wide enough that linear_panels' two threads split a layer's panels: fp32 q/k/v (4 + 1 + 1 panels) in the
     middle of q, gate/up (4 + 4, 8-column tails) between them; int8 / int4 (coarser tasks) between q and k, or not

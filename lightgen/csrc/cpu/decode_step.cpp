@@ -44,7 +44,7 @@ struct Linear {
   }
 
   bool dynamic(const Tensor& x) const { return dot.has_value() && x.numel() >= dot_min_rows * x.size(-1); }
-  bool in_panels(const Tensor& x) const { return weight->dim() == 3 && !dynamic(x); }
+  bool in_panels(const Tensor& x) const { return weight->dim() == 3 || dynamic(x); }
 };
 
 // Layers of one input, e.g. q, k and v: in one parallel loop where every weight is in panels (the same outputs).
@@ -55,7 +55,11 @@ std::vector<Tensor> run_all(const std::vector<Linear>& layers, const Tensor& x) 
     return outputs;
   }
   std::vector<PanelLinear> panels;
-  for (const Linear& l : layers) panels.push_back({*l.weight, l.scale, l.offset, l.bias, l.out_features, l.group_size});
+  for (const Linear& l : layers) {
+    const bool dynamic = l.dynamic(x);
+    panels.push_back({*l.weight, l.scale, l.offset, l.bias, dynamic ? l.dot : c10::nullopt,
+                      dynamic ? l.dot_sums : c10::nullopt, l.out_features, l.group_size});
+  }
   return linear_panels(x, panels);
 }
 

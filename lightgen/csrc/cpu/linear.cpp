@@ -9,6 +9,7 @@
 #endif
 #include <torch/library.h>
 #include <algorithm>
+#include <utility>
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
@@ -280,9 +281,12 @@ void linear_rows_k_major(const float* x, int64_t m, int64_t k_len, const float* 
   });
 }
 
+struct QuantizedRows;
+
 // One linear layer whose weight is in panels, as run_panels hands them out: packed [P, K, kPanel] float32,
-// bfloat16 or int8 (a per-column scale applied after), or group-wise quantized (grouped_tile, below); n <= P * kPanel
-// columns (the tail padded).
+// bfloat16 or int8 (a per-column scale applied after), group-wise quantized (grouped_tile, below), or group-wise
+// in the dot-product layout times int8 activations (``rows``: linear_int8_dynamic, below); n <= P * kPanel columns
+// (the tail padded).
 struct PanelJob {
   const void* w = nullptr;
   at::ScalarType type = at::kFloat;
@@ -290,12 +294,18 @@ struct PanelJob {
   int64_t n = 0, group_size = 0, groups = 0;
   const float* scale = nullptr;  // packed: per column, in the epilogue; group-wise: [P, G, kPanel]
   const float* offset = nullptr;  // group-wise with zero points: [P, G, kPanel]
+  const QuantizedRows* rows = nullptr;  // int8 activations: x rounded (w in the dot layout, grouped)
+  const int32_t* sums = nullptr;  // their int8 weights' group sums [P, G, kPanel]
+  bool vnni = false;  // their kernel: dot_tile_vnni (has_vnni, asked once per call) or dot_tile_portable
   const float* bias = nullptr;
   Act act = Act::kNone;
   float* y = nullptr;
 
   int64_t panels() const { return (n + kPanel - 1) / kPanel; }
-  int64_t panel_k(int64_t k_len) const { return nibbles ? (k_len + 1) / 2 : k_len; }
+  int64_t panel_k(int64_t k_len) const {  // bytes per column
+    if (rows) return (k_len + (nibbles ? 7 : 3)) / (nibbles ? 8 : 4) * 4;
+    return nibbles ? (k_len + 1) / 2 : k_len;
+  }
   int64_t panel_bytes(int64_t k_len) const {
     return panel_k(k_len) * kPanel * (grouped ? 1 : static_cast<int64_t>(c10::elementSize(type)));
   }
@@ -311,8 +321,11 @@ void packed_panel(const PanelJob& job, const float* x, int64_t m, int64_t k_len,
 
 template <bool nibbles>
 void grouped_panel(const PanelJob& job, const float* x, int64_t m, int64_t k_len, int64_t panel);
+template <bool nibbles>
+void dot_panel(const PanelJob& job, int64_t m, int64_t k_len, int64_t panel);
 
 void PanelJob::run_panel(const float* x, int64_t m, int64_t k_len, int64_t panel) const {
+  if (rows) return nibbles ? dot_panel<true>(*this, m, k_len, panel) : dot_panel<false>(*this, m, k_len, panel);
   if (grouped) return nibbles ? grouped_panel<true>(*this, x, m, k_len, panel)
                               : grouped_panel<false>(*this, x, m, k_len, panel);
   switch (type) {
@@ -614,37 +627,33 @@ bool has_vnni() {
 constexpr int64_t kDotRows = 1;
 #endif
 
+// One panel of a dot-layout job, all m rows: weight [P, lanes, kPanel, 4], scale / offset / sums [P, G, kPanel].
 template <bool nibbles>
-void linear_rows_dynamic(const float* x, int64_t m, int64_t k_len, const uint8_t* w, int64_t n, int64_t group_size,
-                         const float* scale, const float* offset, const int32_t* sums, const float* bias, Act act,
-                         float* y) {
+void dot_panel(const PanelJob& job, int64_t m, int64_t k_len, int64_t panel) {
   constexpr int64_t per_lane = lane_k(nibbles);
-  const int64_t lanes = (k_len + per_lane - 1) / per_lane, groups = (k_len + group_size - 1) / group_size;
-  const QuantizedRows rows = quantize_rows<nibbles>(x, m, k_len, lanes * per_lane, group_size);
+  const int64_t lanes = (k_len + per_lane - 1) / per_lane, groups = job.groups, at = panel * groups * kPanel;
+  const DotPanel p{nullptr, nullptr, nullptr, static_cast<const uint8_t*>(job.w) + panel * lanes * 4 * kPanel,
+                   job.scale + at, job.offset ? job.offset + at : nullptr, job.sums ? job.sums + at : nullptr, lanes,
+                   job.group_size / per_lane, groups};
+  const int64_t col = panel * kPanel;
+  panel_rows<kDotRows>(m, std::min(kPanel, job.n - col), job.y + col, job.n,
+                       [&](auto r, int64_t i, float* out, int64_t ld) {
+                         DotPanel tile = p;
+                         tile.q = job.rows->q.data() + i * lanes * per_lane;
+                         tile.step = job.rows->step.data() + i * groups;
+                         tile.sum = job.rows->sum.data() + i * groups;
 #if defined(CPU_CAPABILITY_AVX512)
-  const bool vnni = has_vnni();
-#else
-  constexpr bool vnni = false;
+                         if (job.vnni) return dot_tile_vnni<decltype(r)::value, nibbles>(tile, out, ld);
 #endif
-  const int64_t panel_bytes = lanes * 4;  // per column
-  at::parallel_for(0, (n + kPanel - 1) / kPanel, panel_grain(panel_bytes, 1), [&](int64_t begin, int64_t end) {
-    for (int64_t panel = begin; panel < end; ++panel) {
-      const int64_t col = panel * kPanel, at = panel * groups * kPanel;
-      DotPanel p{nullptr, nullptr, nullptr, w + panel * panel_bytes * kPanel, scale + at,
-                 offset ? offset + at : nullptr, sums ? sums + at : nullptr, lanes, group_size / per_lane, groups};
-      panel_rows<kDotRows>(m, std::min(kPanel, n - col), y + col, n, [&](auto r, int64_t i, float* out, int64_t ld) {
-        DotPanel tile = p;
-        tile.q = rows.q.data() + i * lanes * per_lane;
-        tile.step = rows.step.data() + i * groups;
-        tile.sum = rows.sum.data() + i * groups;
-#if defined(CPU_CAPABILITY_AVX512)
-        if (vnni) return dot_tile_vnni<decltype(r)::value, nibbles>(tile, out, ld);
-#endif
-        dot_tile_portable<decltype(r)::value, nibbles>(tile, out, ld);
-      });
-    }
-    run_epilogue(act, y, m, n, begin * kPanel, std::min(n, end * kPanel), nullptr, bias);
-  });
+                         dot_tile_portable<decltype(r)::value, nibbles>(tile, out, ld);
+                       });
+}
+
+// x [m, K] rounded for a dot-layout job (int8: a + 128, int4: a), once for all the jobs of one group size and kind.
+QuantizedRows quantize_for(const PanelJob& job, const float* x, int64_t m, int64_t k_len) {
+  const int64_t per_lane = lane_k(job.nibbles), stride = (k_len + per_lane - 1) / per_lane * per_lane;
+  return job.nibbles ? quantize_rows<true>(x, m, k_len, stride, job.group_size)
+                     : quantize_rows<false>(x, m, k_len, stride, job.group_size);
 }
 
 template <typename W>
@@ -691,6 +700,74 @@ PanelJob grouped_job(const GroupedLinear& g, int64_t out_features, int64_t group
   job.scale = g.scale.data_ptr<float>();
   job.offset = g.offset.defined() ? g.offset.data_ptr<float>() : nullptr;
   job.bias = g.bias.defined() ? g.bias.data_ptr<float>() : nullptr;
+  job.act = act;
+  job.y = y.data_ptr<float>();
+  return job;
+}
+
+// A dot-layout layer's tensors, checked against x [..., K] and made contiguous (linear_int8_dynamic's arguments).
+struct DotLinear {
+  bool nibbles;
+  Tensor weight, scale, offset, sums, bias;
+};
+
+DotLinear check_dot_linear(const char* op, const Tensor& x, const Tensor& weight, const Tensor& scale_in,
+                           const c10::optional<Tensor>& offset_in, const c10::optional<Tensor>& sums_in,
+                           const c10::optional<Tensor>& bias_in, int64_t out_features, int64_t group_size) {
+  const bool nibbles = weight.scalar_type() == at::kByte;
+  const int64_t per_lane = lane_k(nibbles), bits = nibbles ? 4 : 8;
+  TORCH_CHECK(group_size >= per_lane && group_size % per_lane == 0, op, ": group_size must be a positive multiple of ",
+              per_lane, ", got ", group_size, " (int", bits, " weights)");
+  const int64_t k_len = x.size(-1), lanes = (k_len + per_lane - 1) / per_lane;
+  const int64_t groups = (k_len + group_size - 1) / group_size;
+  TORCH_CHECK(weight.device() == x.device() && weight.dim() == 4 && weight.size(1) == lanes &&
+                  weight.size(2) == kPanel && weight.size(3) == 4,
+              op, ": 'weight' must be int8 [panels, ", (k_len + 3) / 4, ", ", kPanel, ", 4] or int4 as uint8 [panels, ",
+              (k_len + 7) / 8, ", ", kPanel, ", 4] for in_features=", k_len, ", got ", weight.scalar_type(), " ",
+              weight.sizes());
+  TORCH_CHECK(nibbles || weight.scalar_type() == at::kChar, op, ": 'weight' must be int8 or uint8 (int4), got ",
+              weight.scalar_type());
+  TORCH_CHECK(nibbles != sums_in.has_value(), op,
+              nibbles ? ": int4 weights take no 'sums' (their values are unsigned)"
+                      : ": int8 weights need their 'sums'");
+  TORCH_CHECK(!nibbles || offset_in.has_value(), op, ": int4 weights need their 'offset' (zero points)");
+  const int64_t panels = weight.size(0);
+  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel, op,
+              ": packed weights need out_features in (", (panels - 1) * kPanel, ", ", panels * kPanel, "], got ",
+              out_features);
+  const std::vector<int64_t> per_group{panels, groups, kPanel}, per_column{out_features};
+  DotLinear out{nibbles, weight.contiguous(), {}, {}, {}, {}};
+  for (auto [given, kept, name, shape, dtype] :
+       {std::tuple{&scale_in, &out.scale, "scale", &per_group, at::kFloat},
+        std::tuple{offset_in ? &*offset_in : nullptr, &out.offset, "offset", &per_group, at::kFloat},
+        std::tuple{sums_in ? &*sums_in : nullptr, &out.sums, "sums", &per_group, at::kInt},
+        std::tuple{bias_in ? &*bias_in : nullptr, &out.bias, "bias", &per_column, at::kFloat}}) {
+    if (given == nullptr) continue;
+    TORCH_CHECK(given->device() == x.device() && given->scalar_type() == dtype &&
+                    given->sizes() == at::IntArrayRef(*shape),
+                op, ": '", name, "' must be a ", dtype, " tensor of shape ", at::IntArrayRef(*shape), " on ",
+                x.device(), ", got ", given->scalar_type(), " ", given->sizes(), " on ", given->device());
+    *kept = given->contiguous();
+  }
+  return out;
+}
+
+// The job of a checked dot-layout layer; its ``rows`` (x rounded: quantize_for) are set by the caller.
+PanelJob dot_job(const DotLinear& d, int64_t out_features, int64_t group_size, Act act, Tensor& y) {
+  PanelJob job;
+  job.w = d.weight.data_ptr();
+  job.grouped = true;
+  job.nibbles = d.nibbles;
+#if defined(CPU_CAPABILITY_AVX512)
+  job.vnni = has_vnni();
+#endif
+  job.n = out_features;
+  job.group_size = group_size;
+  job.groups = d.scale.size(1);
+  job.scale = d.scale.data_ptr<float>();
+  job.offset = d.offset.defined() ? d.offset.data_ptr<float>() : nullptr;
+  job.sums = d.sums.defined() ? d.sums.data_ptr<int32_t>() : nullptr;
+  job.bias = d.bias.defined() ? d.bias.data_ptr<float>() : nullptr;
   job.act = act;
   job.y = y.data_ptr<float>();
   return job;
@@ -790,7 +867,8 @@ Tensor linear_grouped(const Tensor& x_in, const Tensor& weight, const Tensor& sc
 
 // Several layers of one input x [..., K] (q/k/v, gate/up) in one parallel loop: one fork/join instead of one each,
 // and the threads share out all the panels at once (SmolLM2's k and v projections have 3 panels each, which two
-// threads split 2:1). Each output equals the layer's own linear / linear_grouped call bit for bit.
+// threads split 2:1). Each output equals the layer's own linear / linear_grouped / linear_int8_dynamic call bit for
+// bit (int8 activations: x is rounded once for the layers of one kind and group size).
 std::vector<Tensor> linear_panels(const Tensor& x_in, const std::vector<PanelLinear>& layers) {
   constexpr const char* op = "lightgen.linear_panels";
   LG_CHECK_CPU(op, x_in);
@@ -799,13 +877,26 @@ std::vector<Tensor> linear_panels(const Tensor& x_in, const std::vector<PanelLin
   const Tensor x = x_in.contiguous();
   const int64_t k_len = x.size(-1), m = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
   std::vector<GroupedLinear> kept;  // the contiguous tensors the jobs point into
+  std::vector<DotLinear> kept_dot;
+  std::vector<QuantizedRows> rounded;  // x for the dot jobs, one per kind and group size
   kept.reserve(layers.size());
+  kept_dot.reserve(layers.size());
+  rounded.reserve(layers.size());
   std::vector<PanelJob> jobs;
+  std::vector<bool> dot;  // per job: int8 activations
   std::vector<Tensor> outputs;
   for (const PanelLinear& layer : layers) {
     auto out_sizes = x.sizes().vec();
     out_sizes.back() = layer.out_features;
     outputs.push_back(at::empty(out_sizes, x.options()));
+    dot.push_back(layer.dot.has_value());
+    if (layer.dot) {
+      TORCH_CHECK(layer.scale.has_value(), op, ": dot-layout weights need their 'scale'");
+      kept_dot.push_back(check_dot_linear(op, x, *layer.dot, *layer.scale, layer.offset, layer.dot_sums, layer.bias,
+                                          layer.out_features, layer.group_size));
+      jobs.push_back(dot_job(kept_dot.back(), layer.out_features, layer.group_size, Act::kNone, outputs.back()));
+      continue;
+    }
     if (layer.group_size > 0) {
       TORCH_CHECK(layer.scale.has_value(), op, ": group-wise weights need their 'scale'");
       kept.push_back(check_grouped_linear(op, x, layer.weight, *layer.scale, layer.offset, layer.bias,
@@ -832,7 +923,19 @@ std::vector<Tensor> linear_panels(const Tensor& x_in, const std::vector<PanelLin
     job.y = outputs.back().data_ptr<float>();
     jobs.push_back(job);
   }
-  if (m > 0) run_panels(x.data_ptr<float>(), m, k_len, jobs.data(), static_cast<int64_t>(jobs.size()));
+  if (m == 0) return outputs;
+  std::vector<std::pair<bool, int64_t>> rounded_as;  // (nibbles, group_size) of each of ``rounded``
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    if (!dot[j]) continue;
+    const std::pair<bool, int64_t> kind{jobs[j].nibbles, jobs[j].group_size};
+    auto same = std::find(rounded_as.begin(), rounded_as.end(), kind);
+    if (same == rounded_as.end()) {
+      rounded.push_back(quantize_for(jobs[j], x.data_ptr<float>(), m, k_len));
+      same = rounded_as.insert(rounded_as.end(), kind);
+    }
+    jobs[j].rows = &rounded[same - rounded_as.begin()];
+  }
+  run_panels(x.data_ptr<float>(), m, k_len, jobs.data(), static_cast<int64_t>(jobs.size()));
   return outputs;
 }
 
@@ -842,61 +945,26 @@ std::vector<Tensor> linear_panels(const Tensor& x_in, const std::vector<PanelLin
 // (k0..k3 in its bytes' low nibbles, k4..k7 in the high ones). scale / offset: float32 [P, G, 64],
 // G = ceil(K / group_size), as linear_grouped's (int4: offset required). sums: int8 only, int32 [P, G, 64], -128 x
 // the sum of each group's q. group_size: a multiple of the k per lane.
-Tensor linear_int8_dynamic(const Tensor& x_in, const Tensor& weight_in, const Tensor& scale_in,
-                           const c10::optional<Tensor>& offset_in, const c10::optional<Tensor>& sums_in,
-                           const c10::optional<Tensor>& bias_in, c10::string_view act_name, int64_t out_features,
+Tensor linear_int8_dynamic(const Tensor& x_in, const Tensor& weight, const Tensor& scale,
+                           const c10::optional<Tensor>& offset, const c10::optional<Tensor>& sums,
+                           const c10::optional<Tensor>& bias, c10::string_view act_name, int64_t out_features,
                            int64_t group_size) {
   constexpr const char* op = "lightgen.linear_int8_dynamic";
   const Act act = parse_act(op, act_name);
   LG_CHECK_CPU(op, x_in);
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() >= 1, op, ": 'x' must be float32 [..., in_features], got ",
               x_in.scalar_type(), " ", x_in.sizes());
-  const bool nibbles = weight_in.scalar_type() == at::kByte;
-  const int64_t per_lane = lane_k(nibbles), bits = nibbles ? 4 : 8;
-  TORCH_CHECK(group_size >= per_lane && group_size % per_lane == 0, op, ": group_size must be a positive multiple of ",
-              per_lane, ", got ", group_size, " (int", bits, " weights)");
-  const int64_t k_len = x_in.size(-1), lanes = (k_len + per_lane - 1) / per_lane;
-  const int64_t groups = (k_len + group_size - 1) / group_size;
-  TORCH_CHECK(weight_in.device() == x_in.device() && weight_in.dim() == 4 && weight_in.size(1) == lanes &&
-                  weight_in.size(2) == kPanel && weight_in.size(3) == 4,
-              op, ": 'weight' must be int8 [panels, ", (k_len + 3) / 4, ", ", kPanel, ", 4] or int4 as uint8 [panels, ",
-              (k_len + 7) / 8, ", ", kPanel, ", 4] for in_features=", k_len, ", got ", weight_in.scalar_type(), " ",
-              weight_in.sizes());
-  TORCH_CHECK(nibbles || weight_in.scalar_type() == at::kChar, op, ": 'weight' must be int8 or uint8 (int4), got ",
-              weight_in.scalar_type());
-  TORCH_CHECK(nibbles != sums_in.has_value(), op,
-              nibbles ? ": int4 weights take no 'sums' (their values are unsigned)"
-                      : ": int8 weights need their 'sums'");
-  TORCH_CHECK(!nibbles || offset_in.has_value(), op, ": int4 weights need their 'offset' (zero points)");
-  const int64_t panels = weight_in.size(0);
-  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel, op,
-              ": packed weights need out_features in (", (panels - 1) * kPanel, ", ", panels * kPanel, "], got ",
-              out_features);
-  const std::vector<int64_t> per_group{panels, groups, kPanel}, per_column{out_features};
-  Tensor scale, offset, sums, bias;
-  for (auto [given, kept, name, shape, dtype] :
-       {std::tuple{&scale_in, &scale, "scale", &per_group, at::kFloat},
-        std::tuple{offset_in ? &*offset_in : nullptr, &offset, "offset", &per_group, at::kFloat},
-        std::tuple{sums_in ? &*sums_in : nullptr, &sums, "sums", &per_group, at::kInt},
-        std::tuple{bias_in ? &*bias_in : nullptr, &bias, "bias", &per_column, at::kFloat}}) {
-    if (given == nullptr) continue;
-    TORCH_CHECK(given->device() == x_in.device() && given->scalar_type() == dtype &&
-                    given->sizes() == at::IntArrayRef(*shape),
-                op, ": '", name, "' must be a ", dtype, " tensor of shape ", at::IntArrayRef(*shape), " on ",
-                x_in.device(), ", got ", given->scalar_type(), " ", given->sizes(), " on ", given->device());
-    *kept = given->contiguous();
-  }
-  Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  const DotLinear d = check_dot_linear(op, x_in, weight, scale, offset, sums, bias, out_features, group_size);
+  const Tensor x = x_in.contiguous();
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = out_features;
   Tensor y = at::empty(out_sizes, x.options());
   const int64_t m = c10::multiply_integers(x.sizes().slice(0, x.dim() - 1));
   if (m == 0) return y;
-  auto run = nibbles ? linear_rows_dynamic<true> : linear_rows_dynamic<false>;
-  run(x.data_ptr<float>(), m, k_len, static_cast<const uint8_t*>(weight.data_ptr()), out_features, group_size,
-      scale.data_ptr<float>(), offset.defined() ? offset.data_ptr<float>() : nullptr,
-      sums.defined() ? sums.data_ptr<int32_t>() : nullptr, bias.defined() ? bias.data_ptr<float>() : nullptr, act,
-      y.data_ptr<float>());
+  PanelJob job = dot_job(d, out_features, group_size, act, y);
+  const QuantizedRows rows = quantize_for(job, x.data_ptr<float>(), m, x.size(-1));
+  job.rows = &rows;
+  run_panels(x.data_ptr<float>(), m, x.size(-1), &job, 1);
   return y;
 }
 }  // namespace lightgen

@@ -13,10 +13,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 at::Tensor linear_grouped(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                           const c10::optional<at::Tensor>& offset, const c10::optional<at::Tensor>& bias,
                           c10::string_view act, int64_t out_features, int64_t group_size);
-// A linear layer with its weight in panels: packed float32 / bfloat16 (group_size 0) or group-wise quantized.
+// A linear layer with its weight in panels: packed float32 / bfloat16 (group_size 0) or group-wise quantized; with
+// ``dot`` (and int8's ``dot_sums``), group-wise in linear_int8_dynamic's layout, run on int8 activations.
 struct PanelLinear {
   at::Tensor weight;
-  c10::optional<at::Tensor> scale, offset, bias;
+  c10::optional<at::Tensor> scale, offset, bias, dot, dot_sums;
   int64_t out_features = 0, group_size = 0;
 };
 std::vector<at::Tensor> linear_panels(const at::Tensor& x, const std::vector<PanelLinear>& layers);
