@@ -73,9 +73,9 @@ IN_PLACE_MAX_ROWS = 48
 INT8_ACTIVATION_MIN_ROWS = 2
 # int4-dynamic: the same for int4's weights (below: linear_grouped's int4, exactly quantize="int4"). From 1 row on:
 # int4's fp32 dequantize costs more than rounding x. benchmarks/matmul.py --shapes smollm2 --providers lightgen-int4
-# lightgen-int4-dynamic (1 thread, AVX-512 VNNI Zen 4, other processes on 51% of the CPUs, 14.4 GB/s), ms a step int4
-# / int4 weights x int8 activations: 1 row 12.8 / 10.5, 2: 15.7 / 11.0, 4: 17.2 / 13.5, 8: 38.5 / 18.7,
-# 16: 58.3 / 26.2, 32: 154 / 82.5 (a --quick run before it, same load, both noisy: 1 row 12.9 / 13.8, 2: 14.4 / 14.3).
+# lightgen-int4-dynamic (1 thread, AVX-512 VNNI Zen 4, commit e57d755, quiet: other processes 0% of the CPUs,
+# 23.9 GB/s), ms a step int4 / int4 weights x int8 activations: 1 row 9.06 / 6.09, 2: 11.1 / 6.70, 4: 14.9 / 9.48,
+# 8: 29.1 / 14.2, 16: 54.4 / 22.4, 32: 103 / 37.6 (earlier, others on 51%: 1 row 12.8 / 10.5, 8 rows 38.5 / 18.7).
 INT4_ACTIVATION_MIN_ROWS = 1
 
 
