@@ -263,11 +263,12 @@ def save_for_ctranslate2(model: transformers.PreTrainedModel, spec: ModelSpec, d
     config_path.write_text(json.dumps(config, indent=2))
 
 
-class CTranslate2Worker:
-    """A process of its own that runs one CTranslate2 model (why: benchmarks/_ct2_worker.py)."""
+class WorkerProcess:
+    """A process of its own that runs one model of another engine (why: benchmarks/_ct2_worker.py), ``script``
+    beside this file: pickled requests and replies, ("error", message) for a failed request."""
 
-    def __init__(self):
-        self.process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_ct2_worker.py"))],
+    def __init__(self, script: str = "_ct2_worker.py"):
+        self.process = subprocess.Popen([sys.executable, str(Path(__file__).with_name(script))],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
     def request(self, *message):
@@ -276,9 +277,9 @@ class CTranslate2Worker:
         try:
             reply = pickle.load(self.process.stdout)
         except EOFError:
-            raise RuntimeError(f"the CTranslate2 worker exited with status {self.process.wait()}") from None
+            raise RuntimeError(f"the worker exited with status {self.process.wait()}") from None
         if isinstance(reply, tuple) and reply[:1] == ("error",):
-            raise RuntimeError(f"CTranslate2 worker: {reply[1]}")
+            raise RuntimeError(f"worker: {reply[1]}")
         return reply
 
     def stop(self) -> None:
@@ -305,7 +306,7 @@ class CTranslate2Generate:
             ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(ct2_dir))
         self.encoder_decoder = model.config.is_encoder_decoder
         self.runs = lambda batch, decoding: True
-        self.worker = CTranslate2Worker()
+        self.worker = WorkerProcess()
         try:
             self.worker.request("load", str(ct2_dir), compute_type, torch.get_num_threads(), self.encoder_decoder)
         except RuntimeError:
