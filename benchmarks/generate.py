@@ -263,11 +263,12 @@ def save_for_ctranslate2(model: transformers.PreTrainedModel, spec: ModelSpec, d
     config_path.write_text(json.dumps(config, indent=2))
 
 
-class CTranslate2Worker:
-    """A process of its own that runs one CTranslate2 model (why: benchmarks/_ct2_worker.py)."""
+class WorkerProcess:
+    """A process of its own that runs one model of another engine (why: benchmarks/_ct2_worker.py), ``script``
+    beside this file: pickled requests and replies, ("error", message) for a failed request."""
 
-    def __init__(self):
-        self.process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_ct2_worker.py"))],
+    def __init__(self, script: str = "_ct2_worker.py"):
+        self.process = subprocess.Popen([sys.executable, str(Path(__file__).with_name(script))],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
     def request(self, *message):
@@ -276,9 +277,9 @@ class CTranslate2Worker:
         try:
             reply = pickle.load(self.process.stdout)
         except EOFError:
-            raise RuntimeError(f"the CTranslate2 worker exited with status {self.process.wait()}") from None
+            raise RuntimeError(f"the worker exited with status {self.process.wait()}") from None
         if isinstance(reply, tuple) and reply[:1] == ("error",):
-            raise RuntimeError(f"CTranslate2 worker: {reply[1]}")
+            raise RuntimeError(f"worker: {reply[1]}")
         return reply
 
     def stop(self) -> None:
@@ -305,7 +306,7 @@ class CTranslate2Generate:
             ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(ct2_dir))
         self.encoder_decoder = model.config.is_encoder_decoder
         self.runs = lambda batch, decoding: True
-        self.worker = CTranslate2Worker()
+        self.worker = WorkerProcess()
         try:
             self.worker.request("load", str(ct2_dir), compute_type, torch.get_num_threads(), self.encoder_decoder)
         except RuntimeError:
@@ -502,7 +503,7 @@ def skip_reason(settings: Settings, batch: int, decoding: Decoding, deadline: fl
 
 
 def benchmark_model(spec: ModelSpec, settings: Settings, bandwidth_gb_s: float, deadline: float,
-                    int8: str = "int8") -> tuple[ModelReport, list[CaseResult]]:
+                    int8: str = "int8", decodings: list[str] | None = None) -> tuple[ModelReport, list[CaseResult]]:
     label = spec.label(settings)
     model = build_model(spec, settings)
     accelerated = lightgen.accelerate_model(copy.deepcopy(model))
@@ -522,6 +523,8 @@ def benchmark_model(spec: ModelSpec, settings: Settings, bandwidth_gb_s: float, 
                                     generator=torch.Generator().manual_seed(batch))
             for decoding in DECODINGS:
                 if spec.decodings is not None and decoding.name not in spec.decodings:
+                    continue
+                if decodings and decoding.name.split()[0] not in decodings:
                     continue
                 reason = skip_reason(settings, batch, decoding, deadline)
                 if reason:
@@ -802,11 +805,17 @@ def main(argv: list[str] | None = None) -> None:
                             help="run only the models whose label contains one of these (e.g. smollm2)")
         parser.add_argument("--int8", choices=("int8", "int8-dynamic"), default="int8",
                             help="the quantize= setting of the lightgen-int8 provider")
+        parser.add_argument("--batches", nargs="+", type=int, metavar="B", help="run only these batch sizes")
+        parser.add_argument("--decodings", nargs="+", choices=[d.name.split()[0] for d in DECODINGS],
+                            help="run only these decodings (greedy, beam, sample)")
 
     args, env = start_run(__doc__, "generate",
                           "2+2-layer BART, 2-layer GPT-2, batch 1 and 8, 16 new tokens (< 2 min)", argv, options)
     settings = QUICK if args.quick else FULL
+    if args.batches:
+        settings = dataclasses.replace(settings, batch_sizes=tuple(args.batches))
     env["int8"] = args.int8
+    env["decodings"] = args.decodings
     env["ctranslate2"] = ctranslate2.__version__ if ctranslate2 else None
     if ctranslate2 is None:
         print(f"{CT2_MISSING}; its columns stay empty", file=sys.stderr)
@@ -826,7 +835,8 @@ def main(argv: list[str] | None = None) -> None:
             not_run.append(f"{label}: {reason}")
             print(f"{label} not run: {reason}", file=sys.stderr)
             continue
-        report, model_results = benchmark_model(spec, settings, max(bandwidth.values()), deadline, args.int8)
+        report, model_results = benchmark_model(spec, settings, max(bandwidth.values()), deadline, args.int8,
+                                                args.decodings)
         models.append(report)
         results += model_results
     contention.record(env)

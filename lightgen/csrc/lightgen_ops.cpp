@@ -16,5 +16,6 @@ TORCH_LIBRARY(lightgen, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, str act, int out_features=-1) -> Tensor");
   m.def("linear_grouped(Tensor x, Tensor weight, Tensor scale, Tensor? offset, Tensor? bias, str act, int out_features, int group_size) -> Tensor");
   m.def("linear_int8_dynamic(Tensor x, Tensor weight, Tensor scale, Tensor? offset, Tensor? sums, Tensor? bias, str act, int out_features, int group_size) -> Tensor");
+  m.def("sample_tokens(Tensor probs) -> Tensor");
   m.def("beam_topk(Tensor scores, Tensor? beam_scores, int beams, int k, bool log_softmax, bool stable=False) -> (Tensor, Tensor, Tensor)");
 }

@@ -23,7 +23,14 @@ import torch.nn.functional as F
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from lightgen import ops
-from lightgen.generation.draft_policy import DraftPolicy, FixedPassCost, PassCost, measured_cost  # noqa: F401
+from lightgen.generation.draft_policy import (  # noqa: F401
+    AcceptanceHistory,
+    DraftPolicy,
+    FixedPassCost,
+    PassCost,
+    measured_cost,
+    measured_history,
+)
 from lightgen.generation.tokens import pad_rows
 from lightgen.modules.decoder import Decoder
 
@@ -205,7 +212,8 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
     lengths = torch.full((rows,), prompt_len, dtype=torch.long, device=device)
     live = torch.arange(rows, device=device)  # batch row of each row still decoding
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
-    policy = DraftPolicy(rows, pass_cost if pass_cost is not None else default_cost(decoder))
+    policy = DraftPolicy(rows, pass_cost if pass_cost is not None else default_cost(decoder),
+                         default_history(decoder, drafter))
     history: list[tuple[torch.Tensor, torch.Tensor]] = []  # per pass: (rows in it, tokens each added)
     if prompt_len == 1:  # a lone start token (encoder-decoder): the first pass already verifies a draft
         logits, best, drafts = _draft_and_verify(decoder, state, drafter, policy, sequences, lengths, live,
@@ -240,6 +248,7 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
         state.roll_back(width - accepted)
         finished = ended | full
         if bool(finished.all()):
+            policy.finish()
             break
         if bool(finished.any()):
             keep = (~finished).nonzero().squeeze(1)
@@ -257,6 +266,10 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
 
 def default_cost(decoder) -> PassCost:
     return measured_cost(decoder)
+
+
+def default_history(decoder, drafter) -> AcceptanceHistory:
+    return measured_history(decoder, drafter)
 
 
 def _draft_and_verify(decoder, state, drafter, policy: DraftPolicy, sequences, lengths, live, max_length, max_draft,

@@ -6,7 +6,9 @@ being rejected (chat prompts under IAD: ~1.05 tokens per pass) and positions are
 compute-bound), the wide pass is pure loss: issue 25 measured IAD at 0.49x lightgen greedy there.
 
 ``DraftPolicy`` keeps, per row, an estimate ``p`` of the chance that its next draft token is accepted
-(a Beta prior, the evidence decayed so that rows entering or leaving a copied span adapt); a row
+(a Beta prior, the evidence decayed so that rows entering or leaving a copied span adapt); the prior's mean
+is what this decoder's drafts of this kind kept in earlier calls (``AcceptanceHistory``), so a model that
+copies its input drafts long from a row's first pass and a chat model drafts short; a row
 drafts at most the tokens whose expected acceptance ``p^i`` is worth a place, and the pass width is the
 ``K`` that maximises expected tokens per second, ``sum_rows(1 + sum_{i<=K} p^i) / cost(rows x (1+K))``,
 with ``cost`` measured on this decoder (``PassCost``). When that is ``K = 0`` the pass is a plain greedy
@@ -23,8 +25,13 @@ import math
 import numpy as np
 import torch
 
-# Pseudo-counts of accepted / rejected draft tokens before a row has drafted: p = 2/3 at first.
+# Pseudo-counts of accepted / rejected draft tokens before a row has drafted: p = 2/3 on a decoder's first call,
+# then the same weight at the mean acceptance its earlier calls saw (AcceptanceHistory).
 PRIOR_ACCEPTED, PRIOR_REJECTED = 2.0, 1.0
+# A history's mean stays within these: p = 1 would make every draft worthwhile, p = 0 would never draft again.
+PRIOR_RANGE = (0.1, 0.98)
+# Per call, the weight earlier calls keep in the history: it follows a decoder whose workload changes.
+HISTORY_DECAY = 0.5
 # Evidence kept per observation; also bounds how low p sinks under rejections (~0.21: one-token drafts).
 DECAY = 0.85
 # Draft tokens whose expected acceptance is below this are not worth their place (and their LM-head row).
@@ -107,6 +114,38 @@ def measured_cost(decoder) -> PassCost:
     return cost
 
 
+class AcceptanceHistory:
+    """Draft tokens accepted and rejections seen on one decoder with one kind of drafter, over earlier calls.
+
+    The demo model (copies most of its input) keeps ~93% of IAD's draft tokens, SmolLM2 answering chat prompts
+    a few: from the fixed 2/3 every row's first draft was cut at 7 tokens (6.15 tokens a pass at batch 1 on the
+    demo, where whole first drafts gave 7.58) and chat rows spent their first wide passes on rejected drafts."""
+
+    def __init__(self) -> None:
+        self.accepted = self.rejected = 0.0
+
+    def prior(self) -> tuple[float, float]:
+        """(accepted, rejected) pseudo-counts for a new row."""
+        seen = self.accepted + self.rejected
+        if seen == 0:
+            return PRIOR_ACCEPTED, PRIOR_REJECTED
+        strength = PRIOR_ACCEPTED + PRIOR_REJECTED
+        mean = min(max(self.accepted / seen, PRIOR_RANGE[0]), PRIOR_RANGE[1])
+        return strength * mean, strength * (1 - mean)
+
+    def add(self, accepted: float, rejected: float) -> None:
+        """One call's totals (not decayed)."""
+        self.accepted = self.accepted * HISTORY_DECAY + accepted
+        self.rejected = self.rejected * HISTORY_DECAY + rejected
+
+
+def measured_history(decoder, drafter) -> AcceptanceHistory:
+    """The acceptance history of ``decoder`` with drafters of ``drafter``'s type, kept on it across calls."""
+    owner = getattr(decoder, "decoder", decoder)
+    histories = owner.__dict__.setdefault("_lightgen_acceptance", {})
+    return histories.setdefault(type(drafter).__qualname__, AcceptanceHistory())
+
+
 class DraftPolicy:
     """Draft lengths and pass widths for one aggressive-decoding call; rows are the ones still decoding.
 
@@ -114,17 +153,20 @@ class DraftPolicy:
     choosing the width and observing cost 846 us a pass on 8 rows, in NumPy 272 us (same run, a loaded machine),
     against a demo-model pass of about 1 ms."""
 
-    def __init__(self, rows: int, cost: PassCost) -> None:
-        self.cost = cost
+    def __init__(self, rows: int, cost: PassCost, history: AcceptanceHistory | None = None) -> None:
+        self.cost, self.history = cost, history if history is not None else AcceptanceHistory()
+        self.prior_accepted, self.prior_rejected = self.history.prior()
         self.accepted = np.zeros(rows)  # decayed counts of accepted draft tokens
         self.rejected = np.zeros(rows)  # ... and of rejections
+        self.totals = [0.0, 0.0]  # this call's accepted tokens and rejections, for the history
         self._greedy_passes, self._probe_wait = 0, FIRST_PROBE_WAIT
         self._probing, self._planned = False, 0
         self._last_end: float | None = None  # when the last timed pass ended
 
     def acceptance(self) -> np.ndarray:
         """[rows] float64: the estimated chance that a row's next draft token is accepted."""
-        return (self.accepted + PRIOR_ACCEPTED) / (self.accepted + self.rejected + PRIOR_ACCEPTED + PRIOR_REJECTED)
+        prior = self.prior_accepted + self.prior_rejected
+        return (self.accepted + self.prior_accepted) / (self.accepted + self.rejected + prior)
 
     def plan(self, limits: torch.Tensor) -> torch.Tensor:
         """``limits`` [rows] int64 (the most each row may draft) -> how many tokens to ask the drafter for:
@@ -165,12 +207,18 @@ class DraftPolicy:
     def observe(self, offered: torch.Tensor, accepted: torch.Tensor) -> None:
         """Each row verified ``offered`` [rows] draft tokens and kept the first ``accepted`` [rows]."""
         offered, accepted = offered.cpu().numpy().astype(np.float64), accepted.cpu().numpy().astype(np.float64)
-        drafted = offered > 0
+        drafted, rejected = offered > 0, accepted < offered
         self.accepted = np.where(drafted, self.accepted * DECAY + accepted, self.accepted)
-        self.rejected = np.where(drafted, self.rejected * DECAY + (accepted < offered), self.rejected)
+        self.rejected = np.where(drafted, self.rejected * DECAY + rejected, self.rejected)
+        self.totals[0] += float(accepted[drafted].sum())
+        self.totals[1] += float(rejected[drafted].sum())
         if self._probing:  # a probe that kept nothing: wait longer before the next
             self._probe_wait = (FIRST_PROBE_WAIT if bool((accepted > 0).any())
                                 else min(2 * self._probe_wait, LONGEST_PROBE_WAIT))
+
+    def finish(self) -> None:
+        """The call is over: what its drafts kept goes to the history that later calls start from."""
+        self.history.add(*self.totals)
 
     def keep(self, slots: torch.Tensor) -> None:
         slots = slots.cpu().numpy()

@@ -29,6 +29,7 @@ from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
+    TopKLogitsWarper,
 )
 from transformers.generation.utils import (
     ALL_CACHE_NAMES,
@@ -535,8 +536,31 @@ class _EosBlockedUntil(LogitsProcessor):
         return block(1, self.eos_ids.to(scores.device), -math.inf)
 
 
+class _TopK(LogitsProcessor):
+    """HF's TopKLogitsWarper (on by default when sampling: top_k=50), same scores: the k-th largest score from
+    ``ops.beam_topk``'s threshold filter instead of ``torch.topk`` over the vocabulary (11 ms a step for 32 rows
+    of 50k tokens at 1 thread). HF's own call for scores the kernel does not take: NaN or +inf, other dtypes,
+    other devices."""
+
+    def __init__(self, warper: TopKLogitsWarper) -> None:
+        self.warper = warper
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if (scores.dtype != torch.float32 or scores.device.type != "cpu" or scores.dim() != 2
+                or not _build.load().compiled):
+            return self.warper(input_ids, scores)
+        top_k = min(self.warper.top_k, scores.shape[-1])
+        try:
+            values, _, _ = ops.beam_topk(scores, None, 1, top_k, False, stable=True)
+        except RuntimeError as error:
+            if not ops.refuses_non_finite(error):
+                raise
+            return self.warper(input_ids, scores)
+        return scores.masked_fill(scores < values[:, -1:], self.warper.filter_value)
+
+
 def _without_vocabulary_scans(logits_processor: LogitsProcessorList) -> LogitsProcessorList:
-    """The processors with HF's min-length ones replaced. The scores the engine passes in are fresh
+    """The processors with HF's min-length and top-k ones replaced. The scores the engine passes in are fresh
     tensors of its own, and HF's processors return their input or a new tensor: up to the first other
     processor (one that might keep the tensor it returns), blocking EOS can write in place."""
     lean = LogitsProcessorList()
@@ -547,6 +571,8 @@ def _without_vocabulary_scans(logits_processor: LogitsProcessorList) -> LogitsPr
         elif type(processor) is MinNewTokensLengthLogitsProcessor:
             processor = _EosBlockedUntil(processor.prompt_length_to_skip + processor.min_new_tokens,
                                          processor.eos_token_id, scores_are_ours)
+        elif type(processor) is TopKLogitsWarper:
+            processor = _TopK(processor)  # returns a tensor of its own, as HF's does
         else:
             scores_are_ours = scores_are_ours and type(processor).__module__.startswith("transformers.")
         lean.append(processor)
@@ -607,7 +633,7 @@ def _greedy_or_sample(decoder, state, input_ids, prompt_positions, logits_proces
         if keep_scores:
             scores += (next_token_scores,)
         if generation_config.do_sample:
-            next_tokens = torch.multinomial(nn.functional.softmax(next_token_scores, dim=-1), num_samples=1).squeeze(1)
+            next_tokens = ops.sample_tokens(nn.functional.softmax(next_token_scores, dim=-1))
         else:
             next_tokens = ops.greedy_tokens(next_token_scores)
         if has_eos_stopping_criteria:

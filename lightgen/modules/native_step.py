@@ -16,7 +16,7 @@ step"), ms a step at batch 1 / 8: Python step 27.4 / 29.3, native 21.7 / 24.3 (1
 16.4). The Python step's layers under torch.compile (inductor, one graph per layer, 8-11 s to compile) were slower
 still, 51.6 / 62.9 against the Python step's 30.4 / 37.8 in an earlier run, and not bit-identical (inductor's cos/sin
 of the rotary angles and its fused rotation round otherwise than eager HF). So the native step is kept. The layers'
-tensors go over as one list a call: ~40-80 us.
+tensors go over once per request, as one object (a list of SmolLM2's 1860 a call cost ~150 us, machine loaded).
 """
 
 from __future__ import annotations
@@ -87,9 +87,8 @@ def _epsilon(norm) -> float:
 class Plan:
     """What the C++ step reads, gathered once per request: per layer its norm weights (and LayerNorm biases) and
     each projection's kernel weights (the packed copies ``apply_linear`` would run), flat as
-    csrc/cpu/decode_step.cpp lays them out."""
-    tensors: list
-    ints: list[int]
+    csrc/cpu/decode_step.cpp lays them out, handed to it as one object (``layer_weights``)."""
+    weights: torch.ScriptObject
     max_rows: float  # the most rows (batch x new tokens) every projection's kernel takes
     heads: int
     kv_heads: int
@@ -139,9 +138,16 @@ def plan(spec) -> Plan | None:
     first = spec.layers[0]
     attn, cross = first.self_attn, first.cross_attn
     qk_eps = next((layer.self_attn.q_norm.variance_epsilon for layer in spec.layers if layer.self_attn.q_norm), 0.0)
-    return Plan(tensors, ints, max_rows, attn.heads, attn.kv_heads, attn.head_dim, getattr(cross, "heads", 0),
-                _epsilon(first.self_norm), qk_eps, attn.scaling, getattr(cross, "scaling", 1.0), attn.softcap,
-                block.act, block.pre_norm, norm_kind(first.self_norm) == "layer", block.gated, attn.scale_queries)
+    return Plan(layer_weights(tensors, ints), max_rows, attn.heads, attn.kv_heads, attn.head_dim,
+                getattr(cross, "heads", 0), _epsilon(first.self_norm), qk_eps, attn.scaling,
+                getattr(cross, "scaling", 1.0), attn.softcap, block.act, block.pre_norm,
+                norm_kind(first.self_norm) == "layer", block.gated, attn.scale_queries)
+
+
+def layer_weights(tensors: list, ints: list[int]) -> torch.ScriptObject:
+    """The layers' tensors (None where a slot is empty) and ints as the C++ step's LayerWeights, which checks their
+    counts."""
+    return torch.classes.lightgen.LayerWeights(tensors, ints)
 
 
 def run(plan: Plan, state, hidden: torch.Tensor, rotary, mask) -> torch.Tensor:
@@ -150,7 +156,7 @@ def run(plan: Plan, state, hidden: torch.Tensor, rotary, mask) -> torch.Tensor:
     cache = state.cache
     cos, sin = rotary if rotary is not None else (None, None)
     return torch.ops.lightgen.decode_layers.default(
-        hidden, plan.tensors, plan.ints, cache.keys, cache.values, cache.rows, state.lengths, mask, cos, sin,
+        hidden, plan.weights, cache.keys, cache.values, cache.rows, state.lengths, mask, cos, sin,
         state.cross_keys, state.cross_values, state.encoder_keep, state.expand, plan.heads, plan.kv_heads,
         plan.head_dim, plan.cross_heads, plan.eps, plan.qk_eps, plan.scale, plan.cross_scale, plan.softcap, plan.act,
         plan.pre_norm, plan.layer_norm, plan.gated, plan.scale_queries)

@@ -5,7 +5,7 @@ what runs when a kernel could not be built.
 """
 
 from lightgen.ops import activation, attention as _attention_mod, beam, embedding as _embedding_mod, norm
-from lightgen.ops import linear as _linear_mod
+from lightgen.ops import linear as _linear_mod, sampling
 from lightgen.ops.activation import ACTIVATIONS, bias_act, bias_act_ref, gated_act, gated_act_ref
 from lightgen.ops.attention import attention, attention_probs, attention_ref
 from lightgen.ops.beam import beam_topk, beam_topk_ref, greedy_tokens, refuses_non_finite
@@ -28,10 +28,11 @@ from lightgen.ops.norm import (
     rms_norm,
     rms_norm_ref,
 )
+from lightgen.ops.sampling import sample_tokens, sample_tokens_ref
 
 REFERENCES = {}
 FAKES = {}
-for _module in (norm, activation, _attention_mod, _embedding_mod, _linear_mod, beam):
+for _module in (norm, activation, _attention_mod, _embedding_mod, _linear_mod, beam, sampling):
     REFERENCES.update(_module.REFERENCES)
     FAKES.update(_module.FAKES)
 
@@ -53,6 +54,7 @@ __all__ = [
     "linear_int8_dynamic",
     "beam_topk",
     "greedy_tokens",
+    "sample_tokens",
     "refuses_non_finite",
     "layer_norm_ref",
     "add_layer_norm_ref",
@@ -66,4 +68,5 @@ __all__ = [
     "linear_grouped_ref",
     "linear_int8_dynamic_ref",
     "beam_topk_ref",
+    "sample_tokens_ref",
 ]

@@ -12,7 +12,7 @@ from models import SEQ2SEQ
 
 from lightgen.generation import aggressive
 from lightgen.generation.aggressive import CopyFromInput, find_anchor
-from lightgen.generation.draft_policy import DraftPolicy, FixedPassCost, PassCost
+from lightgen.generation.draft_policy import AcceptanceHistory, DraftPolicy, FixedPassCost, PassCost
 from lightgen.modules.decoder import Decoder
 from tests.generation.test_gad import _greedy, _oracle
 
@@ -36,6 +36,7 @@ def widths(monkeypatch):
 
 def _with_cost(monkeypatch, cost):
     monkeypatch.setattr(aggressive, "default_cost", lambda decoder: cost)
+    monkeypatch.setattr(aggressive, "default_history", lambda decoder, drafter: AcceptanceHistory())
 
 
 @pytest.mark.parametrize("family", ["bart", "gpt2", "llama"])
@@ -112,6 +113,59 @@ def test_flat_cost_drafts_in_full_and_rows_are_their_own():
     assert sizes[0] <= 2 and sizes[1] == 16 and policy.width(sizes) == 16
     policy.keep(torch.tensor([1]))
     assert policy.acceptance().shape == (1,) and float(policy.acceptance()[0]) == float(p[1])
+
+
+def test_new_rows_start_from_what_earlier_calls_accepted():
+    history = AcceptanceHistory()
+    assert history.prior() == (2.0, 1.0)  # nothing seen: p = 2/3, first drafts of 7 tokens
+    assert DraftPolicy(1, FixedPassCost(), history).plan(torch.tensor([16])).tolist() == [7]
+    policy = DraftPolicy(2, FixedPassCost(), history)
+    for _ in range(5):  # a copying workload: 15 of 16 draft tokens kept
+        policy.observe(torch.tensor([16, 0]), torch.tensor([15, 0]))
+    policy.finish()
+    assert history.prior() == pytest.approx((3 * 15 / 16, 3 / 16))
+    assert DraftPolicy(1, FixedPassCost(), history).plan(torch.tensor([16])).tolist() == [16]
+    for _ in range(8):  # then calls whose drafts are rejected at once (chat): the old calls fade
+        chat = DraftPolicy(1, FixedPassCost(), history)
+        for _ in range(10):
+            chat.observe(torch.tensor([3]), torch.tensor([0]))
+        chat.finish()
+    p = float(DraftPolicy(1, FixedPassCost(), history).acceptance()[0])
+    assert p == pytest.approx(0.1)  # the floor: rows still draft a token, and learn again
+    assert DraftPolicy(1, FixedPassCost(), history).plan(torch.tensor([16])).tolist() == [1]
+    every = AcceptanceHistory()
+    every.add(50.0, 0.0)
+    assert every.prior() == pytest.approx((3 * 0.98, 3 * 0.02))  # never certain: p^i still falls
+
+
+@pytest.mark.parametrize("family", ["bart", "llama"])
+def test_a_second_call_drafts_in_full_from_its_first_pass(family, monkeypatch, widths):
+    """Drafts that were always right in the first call: the second call's first drafts are whole (the first
+    call's were cut by the 2/3 prior), its tokens still greedy's; the history is per drafter type."""
+    monkeypatch.setattr(aggressive, "default_cost", lambda decoder: FixedPassCost())
+    accelerated, _, expected, kwargs = _greedy(family, 3, batch=2, new_tokens=24)
+    calls = []
+    for _ in range(2):
+        widths.clear()
+        assert torch.equal(accelerated.generate(**kwargs, decoding="gad", drafter=_oracle(expected), block_size=12),
+                           expected)
+        calls.append(list(widths[1:] if family not in SEQ2SEQ else widths))
+    assert calls[0][0] == 1 + 7 and calls[1][0] == 1 + 12, calls
+    assert len(calls[1]) < len(calls[0])
+
+
+def test_histories_are_per_decoder_and_drafter_type():
+    from lightgen.generation.draft_policy import measured_history
+
+    class Wrapper:
+        def __init__(self, decoder):
+            self.decoder = decoder  # fairseq's per-call scoring wrapper
+
+    first, second = Decoder.__new__(Decoder), Decoder.__new__(Decoder)
+    copy = CopyFromInput([[1, 2, 3]])
+    assert measured_history(first, copy) is measured_history(Wrapper(first), CopyFromInput([[4]]))
+    assert measured_history(first, copy) is not measured_history(second, copy)
+    assert measured_history(first, copy) is not measured_history(first, object())
 
 
 def test_pass_cost_fits_the_fastest_time_per_width():

@@ -496,6 +496,28 @@ def test_min_length_blocking_copies_after_a_processor_of_unknown_origin():
     assert not after_user[1].in_place and torch.isinf(out[:, 3]).all() and not cached.kept.isinf().any()
 
 
+@pytest.mark.parametrize("top_k", [1, 3, 50, 400])
+def test_top_k_keeps_the_scores_hfs_warper_keeps(top_k):
+    """Ties at the k-th score, rows already mostly masked, k past the vocabulary, NaN / +inf (HF's own call)."""
+    from transformers import TopKLogitsWarper
+
+    from lightgen.generation.engine import _TopK
+
+    warper, generator = TopKLogitsWarper(top_k), torch.Generator().manual_seed(top_k)
+    ids = torch.zeros(6, 2, dtype=torch.long)
+    for case in range(12):
+        scores = torch.randn(6, 300, generator=generator)
+        scores[0] = scores[0].round()  # many ties
+        scores[1, 5:] = float("-inf")  # fewer finite scores than k
+        scores[2] = float("-inf")
+        if case % 3 == 1:
+            scores[3, 7] = float("nan")
+        if case % 3 == 2:
+            scores[4, 9] = float("inf")
+        torch.testing.assert_close(_TopK(warper)(ids, scores.clone()), warper(ids, scores.clone()), rtol=0, atol=0,
+                                   equal_nan=True)
+
+
 HOOKED_MODULES = {  # a linear layer, a norm (read directly by lightgen's fused paths) and a whole layer
     "bart": ("model.decoder.layers.0.self_attn.q_proj", "model.decoder.layers.1.final_layer_norm",
              "model.encoder.layers.0.self_attn_layer_norm", "model.decoder.layers.0"),

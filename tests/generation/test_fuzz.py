@@ -289,13 +289,24 @@ def _without_filter_edge(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> 
     return a.masked_fill(edge, -torch.inf), b.masked_fill(edge, -torch.inf)
 
 
-def _assert_close_scores(mine, theirs, what, beams: int = 1, tolerance: float = 1e-4, cuts=None) -> set[int]:
+def _assert_close_scores(mine, theirs, what, beams: int = 1, tolerance: float = 1e-4, cuts=None,
+                         rounding=None) -> set[int]:
     """Per-step scores within fp32 tolerance. In beam search, running beams whose scores tie to the last
     bits may come out in the other order (lightgen's logits are not HF's to the bit), so a step's rows
     may be a permutation within a sentence; and where two candidates tie at the cut that keeps ``beams``
     running beams, lightgen may run the other one: from that step on, the sentence's rows are not HF's
-    (``cuts()``: HF's candidates at each step's cut, ``_hf_cuts``). Returns the sentences either happened to
-    (their beam slots differ from HF's)."""
+    (``cuts()``: HF's candidates at each step's cut, ``_hf_cuts``). Where scores differ by more than ``tolerance``,
+    ``rounding()`` (HF's own fp32 error on this model, ``_hf_rounding``) widens it: a model whose residual stream
+    grows to hundreds rounds HF's logits by 1e-4 and more too. Returns the sentences either happened to (their
+    beam slots differ from HF's)."""
+    def assert_close(a, b, step):
+        if _close(a, b, tolerance):
+            return
+        widened = max(tolerance, ROUNDING_FACTOR * rounding()) if rounding is not None else tolerance
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=widened, equal_nan=True,
+                                   msg=lambda m: f"{what}[{step}]: {m} (HF's own fp32 rounding of this model's "
+                                                 f"logits: {rounding() if rounding is not None else 'not measured'})")
+
     assert len(mine) == len(theirs), f"{what}: {len(mine)} steps vs {len(theirs)}"
     swapped, cut = set(), set()
     for step, (a, b) in enumerate(zip(mine, theirs, strict=True)):
@@ -311,11 +322,9 @@ def _assert_close_scores(mine, theirs, what, beams: int = 1, tolerance: float = 
                 elif step > 0 and cuts is not None and _tie_at_cut(cuts()[step - 1][sentence], beams):
                     cut.add(sentence)
                 else:
-                    torch.testing.assert_close(a[rows], b[rows], rtol=tolerance, atol=tolerance, equal_nan=True,
-                                               msg=lambda m, step=step: f"{what}[{step}]: {m}")
+                    assert_close(a[rows], b[rows], step)
             continue
-        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance, equal_nan=True,
-                                   msg=lambda m, step=step: f"{what}[{step}]: {m}")
+        assert_close(a, b, step)
     return swapped | cut
 
 
@@ -325,7 +334,7 @@ def _tie_at_cut(candidates: torch.Tensor, beams: int) -> bool:
     return ranked.numel() > beams and _tie(ranked[beams - 1], ranked[beams])
 
 
-def _compare(got, expected, settings, rescored, cuts=None):
+def _compare(got, expected, settings, rescored, cuts=None, rounding=None):
     """``rescored()`` reruns lightgen and HF with ``output_scores`` ((lightgen's, HF's) outputs), and ``cuts()``
     HF to record its running-beam cuts (``_hf_cuts``), asked for only where beam search's near-ties leave the
     order of hypotheses, their beam slots or the running beams to fp32 rounding."""
@@ -360,10 +369,11 @@ def _compare(got, expected, settings, rescored, cuts=None):
     temperature = settings.get("temperature", 1.0) if settings.get("do_sample") else 1.0
     swapped = set()
     if settings.get("output_scores"):
+        scaled = (lambda: rounding() / min(temperature, 1.0)) if rounding is not None else None
         swapped |= _assert_close_scores(got.scores, expected.scores, "scores", beams, 1e-4 / min(temperature, 1.0),
-                                        cuts)
+                                        cuts, scaled)
     if settings.get("output_logits"):
-        swapped |= _assert_close_scores(got.logits, expected.logits, "logits", beams, cuts=cuts)
+        swapped |= _assert_close_scores(got.logits, expected.logits, "logits", beams, cuts=cuts, rounding=rounding)
     if getattr(expected, "beam_indices", None) is not None:
         _assert_beam_indices(got, expected, per_sentence, beams, swapped, settings, rescored, replaced, cuts)
         if expected.sequences_scores is not None:
@@ -426,7 +436,8 @@ def run_case(seed: int) -> str:
             assert type(hf) is type(mine), f"HF: {hf!r}; lightgen: {mine!r}"
             return description + f" (both raise {type(hf).__name__})"
         _compare(mine, hf, settings, lambda: _rescored(model, accelerated, kwargs, lightgen_only, seed),
-                 functools.cache(lambda: _hf_cuts(model, kwargs, seed)))
+                 functools.cache(lambda: _hf_cuts(model, kwargs, seed)),
+                 functools.cache(lambda: _hf_rounding(model, kwargs)))
     except AssertionError as error:
         raise AssertionError(f"{description}\n{error}") from None
     return description
@@ -462,6 +473,24 @@ def _hf_cuts(model, kwargs, seed: int) -> list[torch.Tensor]:
     finally:
         del model._get_running_beams_for_next_iteration
     return cuts
+
+
+# lightgen's logits may be this many times further from HF's than HF's fp32 logits are from its fp64 ones.
+ROUNDING_FACTOR = 4.0
+
+
+def _hf_rounding(model, kwargs) -> float:
+    """HF's own fp32 error on this case: the largest difference between the unpatched model's next-token logits
+    after the prompt in fp32 and in fp64 (finite ones only)."""
+    inputs = dict(input_ids=kwargs["input_ids"], attention_mask=kwargs.get("attention_mask"))
+    if model.config.is_encoder_decoder:
+        start = model.generation_config.decoder_start_token_id
+        inputs["decoder_input_ids"] = torch.full((inputs["input_ids"].shape[0], 1), start if start is not None else PAD)
+    with torch.no_grad():
+        single = model(**inputs).logits[:, -1].double()
+        double = copy.deepcopy(model).double()(**inputs).logits[:, -1]
+    finite = torch.isfinite(single) & torch.isfinite(double)
+    return float((single - double)[finite].abs().max()) if bool(finite.any()) else 0.0
 
 
 def _budget_seconds() -> float:
@@ -535,6 +564,21 @@ def test_near_tie_order_needs_hfs_scores_to_tie():
     assert _near_tie_order(other, hf, scores, 2, scores + torch.tensor([0, 0, 0, 1e-3])) is None  # not tied
     assert _near_tie_order(swapped, hf, torch.tensor([-1.0, -1.01, -2, -3]), 2) is None  # not a tie
     assert _near_tie_order(hf[[2, 1, 0, 3]], hf, torch.tensor([-1.0, -1.0, -1.0, -1.0]), 2) is None  # across sentences
+
+
+# A Qwen2 whose residual stream grows to 173 in 3 layers (1 of 847): lightgen's sampling scores 2e-4 from HF's,
+# where HF's own fp32 logits are 1.2e-4 from its fp64 ones.
+@pytest.mark.parametrize("seed", [73107579800768])
+def test_fuzz_scores_within_hfs_own_rounding(seed):
+    run_case(seed)
+
+
+def test_scores_beyond_the_tolerance_pass_only_within_hfs_own_rounding():
+    a = torch.arange(12.0).view(4, 3)
+    _assert_close_scores([a], [a + 3e-4], "scores", rounding=lambda: 1e-4)
+    for rounding in (None, lambda: 1e-5):
+        with pytest.raises(AssertionError, match="rounding"):
+            _assert_close_scores([a], [a + 3e-4], "scores", rounding=rounding)
 
 
 def test_a_permutation_across_sentences_or_of_other_values_still_fails():

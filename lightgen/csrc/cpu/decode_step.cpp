@@ -6,6 +6,7 @@
 // (lightgen/modules/native_step.py).
 // CPU only: the CUDA library does not define it, and its schema is not one of the ops in lightgen_ops.cpp
 // (it has no reference of its own: without this library the Python step runs).
+#include <torch/custom_class.h>
 #include <torch/library.h>
 #include <algorithm>
 #include <vector>
@@ -30,6 +31,24 @@ constexpr int64_t kTensorsPerLayer = kNorms + kTensorsPerLinear * kLinears;
 // runs (LinearWeights.dot_min_rows of lightgen/modules/linear.py).
 constexpr int64_t kIntsPerLinear = 3;
 constexpr int64_t kIntsPerLayer = 1 + kIntsPerLinear * kLinears;
+
+// The layers' tensors (kTensorsPerLayer a layer) and ints (kIntsPerLayer), made once per request from
+// native_step.plan: a step hands the dispatcher this one object, not a list it converts every call (SmolLM2: 1860
+// entries, 150 us a call on a loaded machine).
+struct LayerWeights : torch::CustomClassHolder {
+  LayerWeights(const c10::List<c10::optional<Tensor>>& tensor_list, std::vector<int64_t> layer_ints)
+      : tensors(tensor_list.vec()), ints(std::move(layer_ints)) {
+    const int64_t layers = static_cast<int64_t>(tensors.size()) / kTensorsPerLayer;
+    TORCH_CHECK(layers > 0 && static_cast<int64_t>(tensors.size()) == layers * kTensorsPerLayer, kOp,
+                ": 'weights' must hold ", kTensorsPerLayer, " tensors per layer, got ", tensors.size());
+    TORCH_CHECK(static_cast<int64_t>(ints.size()) == layers * kIntsPerLayer, kOp, ": 'layer_ints' must hold ",
+                kIntsPerLayer, " values per layer (", layers * kIntsPerLayer, "), got ", ints.size());
+  }
+  int64_t layers() const { return static_cast<int64_t>(tensors.size()) / kTensorsPerLayer; }
+
+  std::vector<c10::optional<Tensor>> tensors;
+  std::vector<int64_t> ints;
+};
 
 struct Linear {
   c10::optional<Tensor> weight, scale, offset, bias, dot, dot_sums;
@@ -106,14 +125,13 @@ struct Shape {
   c10::string_view act;
 };
 
-// hidden: float32 [N, T, E], the step's embedded tokens. weights: kTensorsPerLayer per layer; layer_ints:
-// kIntsPerLayer per layer. k_caches, v_caches: per layer [R, Hkv, Tmax, D] (R >= rows; rows 0..rows-1 decode),
+// hidden: float32 [N, T, E], the step's embedded tokens. weights: the layers' (LayerWeights). k_caches, v_caches: per layer [R, Hkv, Tmax, D] (R >= rows; rows 0..rows-1 decode),
 // written in place at lengths[n] + t; lengths: int64 [N]; mask: bool [N, Tmax] (true = attend) or None;
 // cos, sin: [N, T, D] (HF's rotary module's) or None (no rotary). cross_keys, cross_values: per layer the encoder
 // output's [N / expand, H, S, D] (empty: no cross-attention), encoder_keep: bool [N / expand, S] or None.
 // Returns the hidden states after the last layer.
-Tensor decode_layers(const Tensor& hidden_in, const c10::List<c10::optional<Tensor>>& weight_list,
-                     at::IntArrayRef layer_ints, at::TensorList k_caches, at::TensorList v_caches, int64_t rows,
+Tensor decode_layers(const Tensor& hidden_in, const c10::intrusive_ptr<LayerWeights>& layer_weights,
+                     at::TensorList k_caches, at::TensorList v_caches, int64_t rows,
                      const Tensor& lengths, const c10::optional<Tensor>& mask, const c10::optional<Tensor>& cos_in,
                      const c10::optional<Tensor>& sin_in, at::TensorList cross_keys, at::TensorList cross_values,
                      const c10::optional<Tensor>& encoder_keep, int64_t expand, int64_t heads, int64_t kv_heads,
@@ -131,15 +149,14 @@ Tensor decode_layers(const Tensor& hidden_in, const c10::List<c10::optional<Tens
                          static_cast<int64_t>(cross_values.size()) == layers),
               kOp, ": 'cross_keys' and 'cross_values' must hold one tensor per layer or none, got ", cross_keys.size(),
               " and ", cross_values.size());
-  TORCH_CHECK(static_cast<int64_t>(weight_list.size()) == layers * kTensorsPerLayer, kOp, ": 'weights' must hold ",
-              kTensorsPerLayer, " tensors per layer (", layers * kTensorsPerLayer, "), got ", weight_list.size());
-  TORCH_CHECK(static_cast<int64_t>(layer_ints.size()) == layers * kIntsPerLayer, kOp, ": 'layer_ints' must hold ",
-              kIntsPerLayer, " values per layer (", layers * kIntsPerLayer, "), got ", layer_ints.size());
+  TORCH_CHECK(layer_weights->layers() == layers, kOp, ": 'weights' are ", layer_weights->layers(),
+              " layers' but the caches are ", layers);
   TORCH_CHECK(cos_in.has_value() == sin_in.has_value(), kOp, ": 'cos' and 'sin' must be given together");
   const int64_t N = hidden_in.size(0), T = hidden_in.size(1);
   TORCH_CHECK(rows == N, kOp, ": the caches decode ", rows, " rows but 'hidden' has ", N);
   TORCH_CHECK(!cross || (expand > 0 && N % expand == 0), kOp, ": ", N, " rows are not sentences of expand=", expand);
-  const std::vector<c10::optional<Tensor>> weights = weight_list.vec();
+  const std::vector<c10::optional<Tensor>>& weights = layer_weights->tensors;
+  const at::IntArrayRef layer_ints(layer_weights->ints);
   Tensor cos, sin;
   if (cos_in) {
     for (const Tensor* t : {&*cos_in, &*sin_in})
@@ -241,7 +258,9 @@ Tensor decode_layers(const Tensor& hidden_in, const c10::List<c10::optional<Tens
 }  // namespace lightgen
 
 TORCH_LIBRARY_FRAGMENT(lightgen, m) {
-  m.def("decode_layers(Tensor hidden, Tensor?[] weights, int[] layer_ints, Tensor(a!)[] k_caches, "
+  m.class_<lightgen::LayerWeights>("LayerWeights")
+      .def(torch::init<c10::List<c10::optional<at::Tensor>>, std::vector<int64_t>>());
+  m.def("decode_layers(Tensor hidden, __torch__.torch.classes.lightgen.LayerWeights weights, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, int rows, Tensor lengths, Tensor? mask, Tensor? cos, Tensor? sin, Tensor[] cross_keys, "
         "Tensor[] cross_values, Tensor? encoder_keep, int expand, int heads, int kv_heads, int head_dim, "
         "int cross_heads, float eps, float qk_eps, float scale, float cross_scale, float softcap, str act, "

@@ -1,0 +1,95 @@
+"""Runs a GGUF model with llama.cpp (llama-cpp-python's C API) for benchmarks/vs_llama_cpp.py, in a process of its own.
+
+Why a process: llama.cpp's CPU backend runs its own thread pool (OpenMP in the wheel's default build); in a
+process that loaded torch, two thread teams share 2 cores and slow each other (benchmarks/_ct2_worker.py
+measured it for CTranslate2). This script never imports torch.
+
+Greedy decoding of a batch: every row is a sequence of its own in one llama_batch (the prompt pass, then one
+token per row and step), the argmax of each row's logits in NumPy, exactly ``new_tokens`` new tokens (EOS is
+not treated as an end, as min_new_tokens does on the other providers).
+
+Protocol: pickled requests on stdin, pickled replies on stdout, one per request:
+("load", gguf_path, threads, context, rows) -> None; ("generate", token_rows, new_tokens) -> new token ids;
+("stop",) ends the process. A failing request replies with ("error", message).
+"""
+
+import ctypes
+import pickle
+import sys
+
+import llama_cpp
+import numpy as np
+
+
+# llama.cpp logs every load and context at length; the benchmark reports what it needs.
+QUIET = llama_cpp.llama_log_callback(lambda level, text, data: None)
+
+
+class Greedy:
+    def __init__(self, path: str, threads: int, context: int, rows: int):
+        llama_cpp.llama_log_set(QUIET, ctypes.c_void_p())
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = context * rows, context * rows, 512, rows
+        params.n_threads = params.n_threads_batch = threads
+        self.context = llama_cpp.llama_init_from_model(self.model, params)
+        if not self.context:
+            raise RuntimeError("llama.cpp could not make a context")
+        self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.batch = llama_cpp.llama_batch_init(context * rows, 0, rows)
+
+    def _decode(self, entries) -> None:
+        """entries: (token, position, sequence, wants logits) each."""
+        batch = self.batch
+        batch.n_tokens = len(entries)
+        for index, (token, position, sequence, logits) in enumerate(entries):
+            batch.token[index], batch.pos[index], batch.n_seq_id[index] = token, position, 1
+            batch.seq_id[index][0], batch.logits[index] = sequence, logits
+        status = llama_cpp.llama_decode(self.context, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode returned {status}")
+
+    def _argmax(self, index: int) -> int:
+        logits = llama_cpp.llama_get_logits_ith(self.context, index)
+        return int(np.ctypeslib.as_array(ctypes.cast(logits, ctypes.POINTER(ctypes.c_float)), (self.vocab,)).argmax())
+
+    def generate(self, token_rows: list, new_tokens: int) -> list:
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.context), True)
+        entries = [(token, position, row, position == len(tokens) - 1)
+                   for row, tokens in enumerate(token_rows) for position, token in enumerate(tokens)]
+        self._decode(entries)
+        last = [index for index, entry in enumerate(entries) if entry[3]]
+        new = [[self._argmax(index)] for index in last]
+        for step in range(1, new_tokens):
+            self._decode([(ids[-1], len(tokens) + step - 1, row, True)
+                          for row, (tokens, ids) in enumerate(zip(token_rows, new))])
+            for row, ids in enumerate(new):
+                ids.append(self._argmax(row))
+        return new
+
+
+def serve(requests, replies) -> None:
+    runner = None
+    while True:
+        try:
+            request = pickle.load(requests)
+        except EOFError:  # the parent went away without a stop
+            return
+        if request[0] == "stop":
+            return
+        try:
+            if request[0] == "load":
+                runner, reply = Greedy(*request[1:]), None
+            else:
+                reply = runner.generate(*request[1:])
+        except Exception as error:  # the parent reports it; the worker keeps serving
+            reply = ("error", f"{type(error).__name__}: {error}")
+        pickle.dump(reply, replies)
+        replies.flush()
+
+
+if __name__ == "__main__":
+    serve(sys.stdin.buffer, sys.stdout.buffer)
