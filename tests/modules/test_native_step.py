@@ -182,15 +182,15 @@ def test_the_native_op_names_what_is_wrong_with_its_arguments():
     state = decoder.start(2, 6, torch.float32, "cpu")
     hidden = torch.randn(2, 1, decoder.spec.token_embedding.shape[1])
     try:
-        tensors, ints = [None] * 62 * 2, [0] * 19 * 2
+        tensors, ints = [None] * 62 * 2, [0] * 28 * 2
         with pytest.raises(RuntimeError, match="'weights' must hold 62 tensors per layer"):
             native_step.layer_weights(tensors[:-1], ints)
-        with pytest.raises(RuntimeError, match="'layer_ints' must hold 19 values per layer"):
+        with pytest.raises(RuntimeError, match="'layer_ints' must hold 28 values per layer"):
             native_step.layer_weights(tensors, ints[:-1])
         layers = len(decoder.spec.layers)
         with pytest.raises(RuntimeError, match=f"'weights' are {layers + 1} layers' but the caches are {layers}"):
             native_step.run(dataclasses.replace(plan, weights=native_step.layer_weights(
-                [None] * 62 * (layers + 1), [0] * 19 * (layers + 1))), state, hidden, None, None)
+                [None] * 62 * (layers + 1), [0] * 28 * (layers + 1))), state, hidden, None, None)
         with pytest.raises(RuntimeError, match="the caches decode 2 rows but 'hidden' has 3"):
             native_step.run(plan, state, torch.randn(3, 1, hidden.shape[-1]), None, None)
         with pytest.raises(RuntimeError, match="'hidden' must be float32"):
