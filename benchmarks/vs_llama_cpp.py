@@ -78,7 +78,7 @@ def markdown(env: dict, bandwidth: float, read_mb: dict[str, float], results: li
         ms = " / ".join(format_number(result.ms_per_step(name), 1, result.timings[name].noisy)
                         if name in result.timings else "–" for name in names)
         shares = "" if result.batch != 1 else " / ".join(
-            f"{name} {read_mb[name] / 1e3 / bandwidth / result.ms_per_step(name):.0%}"
+            f"{name} {read_mb[name] / bandwidth / result.ms_per_step(name):.0%}"  # MB / (GB/s) = ms
             for name in names if name in read_mb and name in result.timings)
         agreement = ", ".join(f"{name} {result.token_match.get(name, 0):.0%}" for name in names if name != HF)
         lines.append(f"| {result.batch} | {ms} | {format_speedup(result.speedup('lightgen-int4', LLAMA_CPP))} | "
