@@ -7,8 +7,8 @@ layers in one C++ call) and the Python step's layers under torch.compile (induct
 Each provider decodes one token per row on its own state after a 32-token prompt, then rolls the position back,
 so every timed call is the same step; providers are sampled in turn. The logits of the providers are checked
 equal (native vs Python: bit for bit) before timing. ms per step against the bandwidth floor (the bytes of the
-weights a step reads, over the measured read bandwidth). Prints a markdown table and writes
-<out>/decode_step.json (and decode_step.png with matplotlib); with ``--quantize``, the weights of
+weights a step reads, over the read bandwidth of a 256 MB sum timed in turn with the steps). Prints a markdown table
+and writes <out>/decode_step.json (and decode_step.png with matplotlib); with ``--quantize``, the weights of
 ``accelerate_model(quantize=...)`` and decode_step_<precision>.json / .png.
 """
 
@@ -35,6 +35,10 @@ BATCHES = (1, 8)
 FULL = Sampling(samples=21, min_sample_s=0.2, max_measure_s=60.0)
 QUICK = Sampling(samples=5, min_sample_s=0.05, max_measure_s=10.0)
 PYTHON, NATIVE, COMPILED = "python step", "native step", "python step, torch.compile"
+# A sum over a tensor far beyond the caches, timed in turn with the steps: the bandwidth of the same minutes (this
+# VM's swings 12-49 GB/s between runs), from which each row's floor is taken.
+READ = "read 256 MB"
+READ_BYTES = 256 << 20
 
 
 @dataclasses.dataclass
@@ -102,7 +106,8 @@ def weight_bytes(model) -> int:
     return total
 
 
-def run_batch(decoder, batch: int, sampling: Sampling, compile_step: bool, floor_ms: float, notes: list[str]) -> Row:
+def run_batch(decoder, batch: int, sampling: Sampling, compile_step: bool, weights_mb: float,
+              notes: list[str]) -> Row:
     providers = {PYTHON: Provider(decoder, batch, native=False), NATIVE: Provider(decoder, batch, native=True)}
     if compile_step:
         started = time.perf_counter()
@@ -116,12 +121,14 @@ def run_batch(decoder, batch: int, sampling: Sampling, compile_step: bool, floor
     expected = providers[PYTHON]()
     equal = {name: bool(torch.equal(provider(), expected)) for name, provider in providers.items()}
     before = decoder.native_steps
-    timings = measure(providers, sampling)
+    source = torch.rand(READ_BYTES // 4)
+    timings = measure({**providers, READ: source.sum}, sampling)
     if decoder.native_steps == before:
         sys.exit("the native step did not run")
     for provider in providers.values():
         provider.state.release()
-    return Row(batch, timings, floor_ms, equal)
+    bandwidth = READ_BYTES / (timings[READ].median_us * 1e-6) / 1e9
+    return Row(batch, timings, weights_mb / bandwidth, equal)  # MB / (GB/s) = ms
 
 
 def markdown(env: dict, rows: list[Row], weights_mb: float, bandwidth: float, notes: list[str]) -> str:
@@ -131,17 +138,19 @@ def markdown(env: dict, rows: list[Row], weights_mb: float, bandwidth: float, no
         *machine_lines(env),
         f"- load average before timing: {env['load_before']}; {env['mode']} mode; {env['timing_seconds']:.0f} s "
         f"of timing; one step after a {PROMPT}-token prompt, median of interleaved samples, † noisy",
-        f"- bandwidth floor: {weights_mb:.0f} MB of weights a step / {bandwidth:.1f} GB/s measured read bandwidth",
+        f"- bandwidth floor: {weights_mb:.0f} MB of weights a step at the read bandwidth of the `{READ}` sum timed "
+        f"in turn with the steps ({bandwidth:.1f} GB/s measured before them)",
         *(f"- {note}" for note in notes),
         "",
         "| B | " + " | ".join(f"{name} ms" for name in rows[0].timings)
-        + " | floor ms | native vs python | logits equal to the Python step's |",
-        "|--:|" + "--:|" * len(rows[0].timings) + "--:|--:|---|",
+        + " | floor ms | native: share of the floor | native vs python | logits equal to the Python step's |",
+        "|--:|" + "--:|" * len(rows[0].timings) + "--:|--:|--:|---|",
     ]
     for row in rows:
         cells = [f"{row.ms(name):.2f}{' †' if timing.noisy else ''}" for name, timing in row.timings.items()]
         speedup = row.timings[PYTHON].median_us / row.timings[NATIVE].median_us
-        lines.append(f"| {row.batch} | " + " | ".join(cells) + f" | {row.floor_ms:.2f} | {format_speedup(speedup)} | "
+        lines.append(f"| {row.batch} | " + " | ".join(cells) + f" | {row.floor_ms:.2f} | "
+                     f"{row.floor_ms / row.ms(NATIVE):.0%} | {format_speedup(speedup)} | "
                      + ", ".join(f"{name}: {'yes' if same else 'NO'}" for name, same in row.equal.items()) + " |")
     return "\n".join(lines)
 
@@ -167,11 +176,10 @@ def main(argv: list[str] | None = None) -> None:
     env["load_before"] = " ".join(f"{load:.2f}" for load in os.getloadavg())
     weights_mb = weight_bytes(model) / 1e6
     bandwidth = memory_bandwidth()["read"]
-    floor_ms = weights_mb / 1e3 / bandwidth * 1e3
     notes: list[str] = []
     with torch.no_grad(), cached_cpu_memory():  # as generate runs its steps
         contention = ContentionMeter()
-        rows = [run_batch(decoder, batch, sampling, compile_step, floor_ms, notes) for batch in BATCHES]
+        rows = [run_batch(decoder, batch, sampling, compile_step, weights_mb, notes) for batch in BATCHES]
         contention.record(env)
     print(markdown(env, rows, weights_mb, bandwidth, notes))
     payload = {"environment": env, "settings": dataclasses.asdict(sampling), "weights_mb": weights_mb,
@@ -179,9 +187,9 @@ def main(argv: list[str] | None = None) -> None:
                "results": [{"batch": row.batch, "ms_per_step": {name: row.ms(name) for name in row.timings},
                             "timings": {name: dataclasses.asdict(t) for name, t in row.timings.items()},
                             "floor_ms": row.floor_ms, "logits_equal_to_python_step": row.equal} for row in rows]}
-    labels = [f"{name}, B={row.batch}" for row in rows for name in row.timings if name != PYTHON]
+    labels = [f"{name}, B={row.batch}" for row in rows for name in row.timings if name not in (PYTHON, READ)]
     speedups = [row.timings[PYTHON].median_us / row.timings[name].median_us for row in rows for name in row.timings
-                if name != PYTHON]
+                if name not in (PYTHON, READ)]
     write_results(args.out, name, payload, lambda plt: speedup_chart(
         plt, labels, speedups, "speedup vs the Python step (×)",
         f"SmolLM2-135M decoder step, {env['precision']}\n{hardware_title(env)}"))

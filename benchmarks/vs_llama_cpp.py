@@ -71,8 +71,8 @@ def markdown(env: dict, bandwidth: float, read_mb: dict[str, float], results: li
              f"- greedy, {PROMPT_TOKENS}-token random prompts, exactly {env['new_tokens']} new tokens; read bandwidth "
              f"{bandwidth:.1f} GB/s; MB read a step: "
              + ", ".join(f"{name} {mb:,.0f}" for name, mb in read_mb.items()), "",
-             "| batch | ms/step " + " / ".join(names) + " | lightgen-int4 vs llama.cpp | share of the bandwidth limit "
-             "(batch 1) | tokens = HF fp32 |",
+             "| batch | ms/step " + " / ".join(names) + " | lightgen " + " / ".join(QUANTIZED)
+             + " vs llama.cpp | share of the bandwidth limit (batch 1) | tokens = HF fp32 |",
              "|--:|--:|--:|---|---|"]
     for result in results:
         ms = " / ".join(format_number(result.ms_per_step(name), 1, result.timings[name].noisy)
@@ -81,8 +81,8 @@ def markdown(env: dict, bandwidth: float, read_mb: dict[str, float], results: li
             f"{name} {read_mb[name] / bandwidth / result.ms_per_step(name):.0%}"  # MB / (GB/s) = ms
             for name in names if name in read_mb and name in result.timings)
         agreement = ", ".join(f"{name} {result.token_match.get(name, 0):.0%}" for name in names if name != HF)
-        lines.append(f"| {result.batch} | {ms} | {format_speedup(result.speedup('lightgen-int4', LLAMA_CPP))} | "
-                     f"{shares} | {agreement} |")
+        ratios = " / ".join(format_speedup(result.speedup(f"lightgen-{p}", LLAMA_CPP)) for p in QUANTIZED)
+        lines.append(f"| {result.batch} | {ms} | {ratios} | {shares} | {agreement} |")
     return "\n".join(lines)
 
 
