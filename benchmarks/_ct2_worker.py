@@ -10,17 +10,14 @@ team: a BART batch-1 step took 12.7 ms with the int8 model loaded beside the flo
 alone. Users run a model in a process of its own, so the benchmark runs each CTranslate2 model in
 one. This script never imports torch.
 
-Protocol: pickled requests on stdin, pickled replies on stdout, one per request:
-("load", model_dir, compute_type, threads, encoder_decoder) -> None;
-("generate", token_rows, options, measure_rss) -> (new token ids, peak RSS growth in MB or None);
-("stop",) ends the process. A failing request replies with ("error", message).
+Requests (benchmarks/_worker_loop.py): ("load", model_dir, compute_type, threads, encoder_decoder) -> None;
+("generate", token_rows, options, measure_rss) -> (new token ids, peak RSS growth in MB or None).
 """
 
-import pickle
-import sys
 from pathlib import Path
 
 import ctranslate2
+from _worker_loop import serve
 
 
 def rss_and_peak_bytes() -> tuple[int, int]:
@@ -46,28 +43,23 @@ def generate(runner, encoder_decoder: bool, token_rows: list, options: dict, mea
     return new_ids, growth
 
 
-def serve(requests, replies) -> None:
+def main() -> None:
     loaded = None  # (runner, encoder_decoder)
-    while True:
-        request = pickle.load(requests)
-        if request[0] == "stop":
-            return
-        try:
-            if request[0] == "load":
-                model_dir, compute_type, threads, encoder_decoder = request[1:]
-                runner = ctranslate2.Translator if encoder_decoder else ctranslate2.Generator
-                loaded = (runner(model_dir, device="cpu", compute_type=compute_type, intra_threads=threads,
-                                 inter_threads=1), encoder_decoder)
-                reply = None
-            else:
-                token_rows, options, measure_rss = request[1:]
-                ctranslate2.set_random_seed(options.pop("seed"))
-                reply = generate(*loaded, token_rows, options, measure_rss)
-        except Exception as error:  # the parent reports it; the worker keeps serving
-            reply = ("error", f"{type(error).__name__}: {error}")
-        pickle.dump(reply, replies)
-        replies.flush()
+
+    def handle(request):
+        nonlocal loaded
+        if request[0] == "load":
+            model_dir, compute_type, threads, encoder_decoder = request[1:]
+            runner = ctranslate2.Translator if encoder_decoder else ctranslate2.Generator
+            loaded = (runner(model_dir, device="cpu", compute_type=compute_type, intra_threads=threads,
+                             inter_threads=1), encoder_decoder)
+            return None
+        token_rows, options, measure_rss = request[1:]
+        ctranslate2.set_random_seed(options.pop("seed"))
+        return generate(*loaded, token_rows, options, measure_rss)
+
+    serve(handle)
 
 
 if __name__ == "__main__":
-    serve(sys.stdin.buffer, sys.stdout.buffer)
+    main()

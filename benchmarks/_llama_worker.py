@@ -8,17 +8,15 @@ Greedy decoding of a batch: every row is a sequence of its own in one llama_batc
 token per row and step), the argmax of each row's logits in NumPy, exactly ``new_tokens`` new tokens (EOS is
 not treated as an end, as min_new_tokens does on the other providers).
 
-Protocol: pickled requests on stdin, pickled replies on stdout, one per request:
-("load", gguf_path, threads, context, rows) -> None; ("generate", token_rows, new_tokens) -> new token ids;
-("stop",) ends the process. A failing request replies with ("error", message).
+Requests (benchmarks/_worker_loop.py): ("load", gguf_path, threads, context, rows) -> None;
+("generate", token_rows, new_tokens) -> new token ids.
 """
 
 import ctypes
-import pickle
-import sys
 
 import llama_cpp
 import numpy as np
+from _worker_loop import serve
 
 
 # llama.cpp logs every load and context at length; the benchmark reports what it needs.
@@ -71,25 +69,18 @@ class Greedy:
         return new
 
 
-def serve(requests, replies) -> None:
+def main() -> None:
     runner = None
-    while True:
-        try:
-            request = pickle.load(requests)
-        except EOFError:  # the parent went away without a stop
-            return
-        if request[0] == "stop":
-            return
-        try:
-            if request[0] == "load":
-                runner, reply = Greedy(*request[1:]), None
-            else:
-                reply = runner.generate(*request[1:])
-        except Exception as error:  # the parent reports it; the worker keeps serving
-            reply = ("error", f"{type(error).__name__}: {error}")
-        pickle.dump(reply, replies)
-        replies.flush()
+
+    def handle(request):
+        nonlocal runner
+        if request[0] == "load":
+            runner = Greedy(*request[1:])
+            return None
+        return runner.generate(*request[1:])
+
+    serve(handle)
 
 
 if __name__ == "__main__":
-    serve(sys.stdin.buffer, sys.stdout.buffer)
+    main()

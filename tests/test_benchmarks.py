@@ -34,10 +34,10 @@ def test_int8_keeps_the_demo_model_close_to_fp32(tmp_path):
 
 def test_every_benchmark_script_imports():
     """The scripts CI does not run still import what they use (quantize_quality.py once imported a helper that
-    had moved, and only failed when someone ran it). fairseq.py (shadows the package) and the CTranslate2
-    worker (an optional install) are left out."""
+    had moved, and only failed when someone ran it). fairseq.py (shadows the package) and the CTranslate2 and
+    llama.cpp workers (optional installs) are left out."""
     scripts = sorted(path.stem for path in (REPO / "benchmarks").glob("*.py")
-                     if path.stem not in ("fairseq", "_ct2_worker"))
+                     if path.stem not in ("fairseq", "_ct2_worker", "_llama_worker"))
     code = "import importlib, sys; sys.path.insert(0, 'benchmarks'); [importlib.import_module(n) for n in sys.argv[1:]]"
     result = subprocess.run([sys.executable, "-c", code, *scripts], cwd=REPO, capture_output=True, text=True,
                             timeout=600)
