@@ -107,11 +107,13 @@ class FixedPassCost(PassCost):
 def measured_cost(decoder) -> PassCost:
     """The pass cost of ``decoder``, kept on it across ``generate`` calls (on the decoder that fairseq's
     per-call scoring wrapper wraps)."""
+    return _kept_on(decoder).setdefault("pass_cost", PassCost())
+
+
+def _kept_on(decoder) -> dict:
+    """What the draft policy keeps on ``decoder`` across calls (on the decoder fairseq's scoring wrapper wraps)."""
     owner = getattr(decoder, "decoder", decoder)
-    cost = owner.__dict__.get("_lightgen_pass_cost")
-    if cost is None:
-        cost = owner.__dict__["_lightgen_pass_cost"] = PassCost()
-    return cost
+    return owner.__dict__.setdefault("_lightgen_draft_policy", {})
 
 
 class AcceptanceHistory:
@@ -141,9 +143,7 @@ class AcceptanceHistory:
 
 def measured_history(decoder, drafter) -> AcceptanceHistory:
     """The acceptance history of ``decoder`` with drafters of ``drafter``'s type, kept on it across calls."""
-    owner = getattr(decoder, "decoder", decoder)
-    histories = owner.__dict__.setdefault("_lightgen_acceptance", {})
-    return histories.setdefault(type(drafter).__qualname__, AcceptanceHistory())
+    return _kept_on(decoder).setdefault(("acceptance", type(drafter).__qualname__), AcceptanceHistory())
 
 
 class DraftPolicy:
