@@ -106,9 +106,9 @@ def linear_megabytes(model) -> float:
     for module in model.modules():
         weights = module.__dict__.get("_lightgen_linear")
         if weights is not None:
-            total += sum(t.numel() * t.element_size()
-                         for t in (weights.weight, weights.scale, weights.offset, weights.dot, weights.dot_sums)
-                         if t is not None)
+            tensors = {t.data_ptr(): t for t in (weights.weight, weights.scale, weights.offset, weights.dot,
+                                                 weights.dot_sums) if t is not None}  # int4-dynamic: weight is dot
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
     return total / 1e6
 
 

@@ -8,7 +8,7 @@ step: 28 GB/s at batch 1, 86% of the measured bandwidth, against 26 GB/s on the 
 The copy costs, per packed layer, +100% of its fp32 weight bytes (fp32), +50% (bf16), +28% (int8: 8 bits
 + a float scale per 32 weights), +19% (int4: 4 bits + a float scale and zero point per 32), +56% (int8-dynamic
 on a VNNI CPU: int8's copy plus the dot-product layout, 8 bits + an int32 group sum per 32 more), +31% (int4-dynamic
-on a VNNI CPU: int4's copy plus its dot-product layout, 4 bits per weight more).
+on a VNNI CPU: its dot-product layout in place of int4's panels, the same bytes as int4).
 ``pack=False`` keeps fp32 at zero extra memory and runs the kernels on the original layout (HF
 Conv1D's [K, N] weight is read as panels in place: fine in isolation, but 1.4x slower than packed in
 a GPT-2 decode step, where the strided rows miss DRAM pages).
@@ -71,17 +71,18 @@ IN_PLACE_MAX_ROWS = 48
 # both stream the same bytes, the weight-only one exactly), 2 rows 18.0 / 15.0 and 20.7 / 11.0, 4 rows
 # 17.2 / 14.6 and 28.3 / 23.1, 8 rows 30.1 / 17.8, 16: 56.4 / 27.9, 32: 109 / 49.9, 64: 304 / 150.
 INT8_ACTIVATION_MIN_ROWS = 2
-# int4-dynamic: the same for int4's weights (below: linear_grouped's int4, exactly quantize="int4"). From 1 row on:
-# int4's fp32 dequantize costs more than rounding x. benchmarks/matmul.py --shapes smollm2 --providers lightgen-int4
+# int4-dynamic: the same for int4's weights. From every row count on (0: its int4 panels are not kept): at 1 row
+# int4's fp32 dequantize already costs more than rounding x. benchmarks/matmul.py --shapes smollm2 --providers lightgen-int4
 # lightgen-int4-dynamic (1 thread, AVX-512 VNNI Zen 4, commit e57d755, quiet: other processes 0% of the CPUs,
 # 23.9 GB/s), ms a step int4 / int4 weights x int8 activations: 1 row 9.06 / 6.09, 2: 11.1 / 6.70, 4: 14.9 / 9.48,
 # 8: 29.1 / 14.2, 16: 54.4 / 22.4, 32: 103 / 37.6 (earlier, others on 51%: 1 row 12.8 / 10.5, 8 rows 38.5 / 18.7).
-INT4_ACTIVATION_MIN_ROWS = 1
+INT4_ACTIVATION_MIN_ROWS = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class LinearWeights:
-    weight: torch.Tensor  # packed panels, or the module's own Parameter ([N, K]; Conv1D: [K, N])
+    # packed panels, or the module's own Parameter ([N, K]; Conv1D: [K, N]); int4-dynamic: ``dot``, the only copy
+    weight: torch.Tensor
     out_features: int
     scale: torch.Tensor | None = None  # group-wise quantized: [P, G, 64] float32 (ops.linear_grouped)
     offset: torch.Tensor | None = None  # with zero points: [P, G, 64] float32
@@ -108,7 +109,7 @@ class LinearWeights:
 
     @property
     def dot_min_rows(self) -> int:
-        """From how many rows of x the int8-activation kernel runs (0: never, no dot-product copy)."""
+        """From how many rows of x the int8-activation kernel runs (0 with no dot-product copy: never)."""
         if self.dot is None:
             return 0
         return INT4_ACTIVATION_MIN_ROWS if self.dot.dtype == torch.uint8 else INT8_ACTIVATION_MIN_ROWS
@@ -159,6 +160,8 @@ def packed_weights(weight: torch.Tensor, precision: str | None, fmt: QuantFormat
         packed, scale, offset = zero_point if errors[1] <= ZERO_POINT_ERROR_RATIO * errors[0] else symmetric
     dot, dot_sums = (pack_int8_dot(packed, fmt.group_size, weight.shape[1]) if fmt.activations and int8_dot_available()
                      else (None, None))
+    if dot is not None and fmt.bits == 4:
+        packed = dot  # INT4_ACTIVATION_MIN_ROWS: the int4 panels would never be read
     return LinearWeights(packed, weight.shape[0], scale, offset, fmt.group_size, dot, dot_sums, precision=precision)
 
 

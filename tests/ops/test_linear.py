@@ -371,18 +371,23 @@ def test_opcheck_int8_dynamic(fmt):
 @pytest.mark.parametrize(("precision", "min_rows"),
                          [("int8", INT8_ACTIVATION_MIN_ROWS), ("int4", INT4_ACTIVATION_MIN_ROWS)])
 def test_dynamic_weights_choose_the_kernel_by_rows(monkeypatch, precision, min_rows):
-    """Below INT8_ACTIVATION_MIN_ROWS (int4: INT4_ACTIVATION_MIN_ROWS) rows the weight-only kernel runs (bit-identical
-    to quantize="int8" / "int4"), from there on the int8-activation one; without VNNI only the weight-only one."""
+    """Below INT8_ACTIVATION_MIN_ROWS rows the weight-only kernel runs (bit-identical to quantize="int8"), from there
+    on the int8-activation one; int4 runs it from 0 rows and keeps no int4 panels beside its dot-product layout;
+    without VNNI only the weight-only one."""
     weight, bias = torch.randn(96, 80), torch.randn(96)
     weight_only = packed_weights(weight, precision)
     if not int8_dot_available():
         assert packed_weights(weight, f"{precision}-dynamic").dot is None
         pytest.skip("this CPU or build has no AVX-512 VNNI")
     dynamic = packed_weights(weight, f"{precision}-dynamic")
-    assert torch.equal(dynamic.weight, weight_only.weight) and dynamic.dot is not None
-    assert dynamic.dot_min_rows == min_rows and weight_only.dot_min_rows == 0
+    assert dynamic.dot is not None and dynamic.dot_min_rows == min_rows and weight_only.dot_min_rows == 0
+    if min_rows:
+        assert torch.equal(dynamic.weight, weight_only.weight)
+    else:
+        assert dynamic.weight is dynamic.dot and dynamic.quantized
+        assert torch.equal(dynamic.dot, pack_int8_dot(weight_only.weight, 32, 80)[0])  # int4's own grid
     assert dynamic.max_rows == math.inf  # the native decode step runs both kernels, as run() picks them
-    for rows in sorted({1, max(min_rows - 1, 1), min_rows, 33}):
+    for rows in sorted({0, 1, max(min_rows - 1, 1), min_rows, 33}):
         x = torch.randn(rows, 80)
         expected = (ops.linear_int8_dynamic(x, dynamic.dot, dynamic.scale, dynamic.offset, dynamic.dot_sums, bias,
                                             "none", 96, 32)
