@@ -96,6 +96,19 @@ def test_linear_grouped_matches_reference(fmt, shape, rows):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_linear_grouped_rows_do_not_depend_on_the_batch(fmt):
+    """A row's outputs are the same bits alone and in a batch of any size (tiles of 4 rows and their tails), so a
+    quantized IAD pass verifies what a quantized greedy step computes."""
+    gen = torch.Generator().manual_seed(fmt.bits * 10 + fmt.group_size)
+    weight, x = torch.randn(130, 75, generator=gen), torch.randn(11, 75, generator=gen)
+    packed = packed_weights(weight, f"int{fmt.bits}", fmt)
+    args = (packed.weight, packed.scale, packed.offset, None, "none", 130, fmt.group_size)
+    alone = torch.cat([ops.linear_grouped(x[i:i + 1], *args) for i in range(len(x))])
+    for rows in (2, 3, 4, 5, 11):
+        assert torch.equal(ops.linear_grouped(x[:rows], *args), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_grouped_rounding_error_is_at_most_half_a_step(fmt):
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(70, 45, generator=gen)
