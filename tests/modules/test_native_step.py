@@ -121,14 +121,15 @@ def test_generate_with_the_native_step_matches_hf(family):
 
 
 # Encoder-decoder families (post-norm BART and Marian, pre-norm mBART, M2M-100 and Pegasus: LayerNorm, cross-attention,
-# a plain GELU / SiLU FFN) and OPT (pre-norm LayerNorm, ReLU, queries scaled before the scores).
-LAYER_NORM_FAMILIES = ("bart", "mbart", "marian", "m2m_100", "pegasus", "opt")
+# a plain GELU / SiLU FFN; T5 and mT5: RMSNorm, the relative position bias as an additive mask, ReLU or gated GELU,
+# attention wider than the model) and OPT (pre-norm LayerNorm, ReLU, queries scaled before the scores).
+CROSS_ATTENTION_AND_OPT = ("bart", "mbart", "marian", "m2m_100", "pegasus", "t5", "mt5", "opt")
 
 
-@pytest.mark.parametrize("family", LAYER_NORM_FAMILIES)
+@pytest.mark.parametrize("family", CROSS_ATTENTION_AND_OPT)
 @pytest.mark.parametrize("quantize", [None, "int8", "int8-dynamic", "int4-dynamic"])
 @pytest.mark.filterwarnings("ignore:lightgen. quantize='int[48]-dynamic' needs AVX-512 VNNI")
-def test_layer_norm_and_cross_attention_families_step_natively_bit_identical(family, quantize):
+def test_cross_attention_families_and_opt_step_natively_bit_identical(family, quantize):
     """Their logits from generate (greedy with padding, beams reordering rows and the cross-attention's sentences)
     with the native step equal the Python step's bit for bit, and the tokens are unpatched HF's."""
     model = build(family, seed=9)
