@@ -3,13 +3,17 @@
 Python's ``Decoder.step`` (decoder.py) stays the specification and runs everything around the layers (embedding,
 rotary angles once per step, cache bookkeeping, final norm, LM head). Its layer loop dispatches ~15 ops per layer
 from Python, each a few microseconds of interpreter and dispatcher: on a 30-layer model (SmolLM2-135M) a quarter of
-a batch-1 step. For blocks of sequential residuals (pre- or post-norm, RMSNorm or LayerNorm), separate q/k/v
-projections (grouped-query self-attention on the static cache, rotate-half rotary or none, q/k norms, queries
-scaled or not), optional cross-attention and a gated or plain FFN (Llama, Mistral, Qwen2, Qwen3, OPT, BART, mBART,
-Marian, M2M-100, Pegasus) the C++ step runs the same kernels in the same order on the same inputs, so its output is
-bit-identical, and the layers' tensors are gathered once per request (``plan``), not looked up per op. Other shapes
-(``unsupported`` says why), and steps a kernel would not take (non-float32, or more rows than the fp32 kernels run:
-long prompts), keep the Python loop; the result is the same either way.
+a batch-1 step. For blocks of pre-norm, post-norm or parallel residuals (GPT-NeoX) with RMSNorm, LayerNorm or Gemma's
+(1 + w) RMSNorm (also on sublayer outputs: Gemma 2/3), separate or fused q/k/v projections (GPT-2's and Phi-3's
+[q | k | v], GPT-NeoX's q|k|v per head) with grouped-query self-attention on the static cache, rotate-half rotary on
+whole heads, on their first dimensions (Phi-3, GPT-NeoX) or none, one rotary table per layer where layers differ
+(Gemma 3), q/k norms, queries scaled or not, soft-capped scores, an additive position-bias mask (T5), optional
+cross-attention and a gated (separate or fused gate|up: Phi-3) or plain FFN (Llama, Mistral, Qwen2, Qwen3, Phi-3,
+Gemma 1/2/3, GPT-2, GPT-NeoX, OPT, BART, mBART, Marian, M2M-100, Pegasus, T5, mT5) the C++ step runs the same kernels
+in the same order on the same inputs, so its output is bit-identical, and the layers' tensors are gathered once per
+request (``plan``), not looked up per op. Other shapes (``unsupported`` says why), and steps a kernel would not take
+(non-float32, or more rows than the fp32 kernels run: long prompts), keep the Python loop; the result is the same
+either way.
 
 Measured (benchmarks/decode_step.py, SmolLM2-135M fp32, 2 threads, AVX-512, a quiet machine; README "Decoder
 step"), ms a step at batch 1 / 8: Python step 27.4 / 29.3, native 21.7 / 24.3 (1.26x / 1.21x; the bandwidth floor:
