@@ -67,9 +67,9 @@ def unsupported(spec) -> str | None:
             return (f"the native step runs blocks of one norm kind of {', '.join(NORM_KINDS)}, "
                     f"not {sorted(map(str, kinds))}")
         eps |= {_epsilon(norm) for norm in norms}
-        if attn.q_norm is not None:
-            if {norm_kind(attn.q_norm), norm_kind(attn.k_norm)} != kinds:
-                return "the native step runs q/k norms of the block's norm kind only"
+        if attn.q_norm is not None:  # weights only: the C++ step has no slot for their biases
+            if {norm_kind(attn.q_norm), norm_kind(attn.k_norm)} != kinds or kinds == {"layer"}:
+                return "the native step runs q/k RMSNorms of the block's norm kind only"
             qk_eps |= {_epsilon(attn.q_norm), _epsilon(attn.k_norm)}
     if len(eps) > 1 or len(qk_eps) > 1:
         return "the native step needs one epsilon for the layers' norms and one for the q/k norms"

@@ -208,6 +208,19 @@ def test_blocks_the_native_step_does_not_run_say_why_and_step_in_python(model, w
     assert decoder.native_steps == 0
 
 
+def test_q_k_norms_the_native_step_cannot_run_keep_the_python_step():
+    """Its q/k norm slots hold weights only, of the block's norm kind: LayerNorms (biases, even in a LayerNorm block)
+    or norms of a kind of their own keep the Python loop."""
+    for family in ("qwen3", "opt"):
+        spec = _decoder(lightgen.accelerate_model(build(family))).spec
+        assert native_step.unsupported(spec) is None
+        width = spec.layers[0].self_attn.head_dim
+        attn = dataclasses.replace(spec.layers[0].self_attn, q_norm=torch.nn.LayerNorm(width),
+                                   k_norm=torch.nn.LayerNorm(width))
+        layers = (dataclasses.replace(spec.layers[0], self_attn=attn), *spec.layers[1:])
+        assert "q/k RMSNorms" in native_step.unsupported(dataclasses.replace(spec, layers=layers)), family
+
+
 @torch.no_grad()
 def test_the_native_op_names_what_is_wrong_with_its_arguments():
     decoder = _decoder(lightgen.accelerate_model(build("llama", seed=8)))
