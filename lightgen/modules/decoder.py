@@ -362,8 +362,8 @@ class Decoder:
         plan = self._native_plan(state, hidden) if observed is None else None
         if plan is not None:
             self.native_steps += 1
-            rotary = spec.rotary(hidden, positions) if spec.rotary is not None else None
-            return native_step.run(plan, state, hidden, rotary, self_mask)
+            tables = [rotary(hidden, positions) for rotary in plan.rotaries]
+            return native_step.run(plan, state, hidden, tables, self_mask)
         tables = {}  # rotary cos/sin per rotary module, computed once per step
         weights = ([], []) if observed is not None and observed.attentions else (None, None)
         hiddens = [hidden] if observed is not None and observed.hidden_states else None

@@ -1,5 +1,6 @@
 """The native decoder step (one C++ call for all layers, lightgen/modules/native_step.py) against the Python step it
-replaces, bit for bit, and against unpatched HF, token for token, on tiny Llama-shaped models."""
+replaces, bit for bit, and against unpatched HF, token for token, on tiny models of every family with a decoder
+step."""
 
 import copy
 import dataclasses
@@ -11,13 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import VOCAB, build, padded_batch
+import transformers
+from models import BUILDERS, VOCAB, build, padded_batch
 
 import lightgen
 from lightgen.modules import native_step
 from lightgen.modules.decoder import DECODER_ATTR
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # GQA in all; Mistral and Qwen2 with windows shorter than the prompt
+# GQA in the first four; Mistral, Qwen2, Phi-3 and Gemma 2/3 with windows shorter than the prompt. GPT-2's fused
+# q|k|v (Conv1D), Phi-3's fused q|k|v and gate|up with half-rotary heads, GPT-NeoX's q|k|v per head, partial rotary and
+# parallel residual, Gemma's (1 + w) RMSNorm and GeGLU, Gemma 2's output norms and soft-capped scores, Gemma 3's q/k
+# norms and a rotary table per layer type.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3", "gpt_neox", "gemma", "gemma2", "gemma3_text")
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(os.environ.get("LIGHTGEN_DISABLE_EXT") == "1",
@@ -83,8 +89,6 @@ def test_layers_sharing_one_parallel_loop_split_across_threads_as_alone(quantize
     """Wide enough that linear_panels' two threads split a layer's panels: fp32 q/k/v (4 + 1 + 1 panels) in the
     middle of q, gate/up (4 + 4, 8-column tails) between them; int8 / int4 (coarser tasks) between q and k, or not
     at all. Still the Python step's logits bit for bit."""
-    import transformers
-
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=1, intermediate_size=200, max_position_embeddings=64)
@@ -117,14 +121,15 @@ def test_generate_with_the_native_step_matches_hf(family):
 
 
 # Encoder-decoder families (post-norm BART and Marian, pre-norm mBART, M2M-100 and Pegasus: LayerNorm, cross-attention,
-# a plain GELU / SiLU FFN) and OPT (pre-norm LayerNorm, ReLU, queries scaled before the scores).
-LAYER_NORM_FAMILIES = ("bart", "mbart", "marian", "m2m_100", "pegasus", "opt")
+# a plain GELU / SiLU FFN; T5 and mT5: RMSNorm, the relative position bias as an additive mask, ReLU or gated GELU,
+# attention wider than the model) and OPT (pre-norm LayerNorm, ReLU, queries scaled before the scores).
+CROSS_ATTENTION_AND_OPT = ("bart", "mbart", "marian", "m2m_100", "pegasus", "t5", "mt5", "opt")
 
 
-@pytest.mark.parametrize("family", LAYER_NORM_FAMILIES)
+@pytest.mark.parametrize("family", CROSS_ATTENTION_AND_OPT)
 @pytest.mark.parametrize("quantize", [None, "int8", "int8-dynamic", "int4-dynamic"])
 @pytest.mark.filterwarnings("ignore:lightgen. quantize='int[48]-dynamic' needs AVX-512 VNNI")
-def test_layer_norm_and_cross_attention_families_step_natively_bit_identical(family, quantize):
+def test_cross_attention_families_and_opt_step_natively_bit_identical(family, quantize):
     """Their logits from generate (greedy with padding, beams reordering rows and the cross-attention's sentences)
     with the native step equal the Python step's bit for bit, and the tokens are unpatched HF's."""
     model = build(family, seed=9)
@@ -153,7 +158,7 @@ def test_layer_norm_and_cross_attention_families_step_natively_bit_identical(fam
 @torch.no_grad()
 def test_steps_the_kernels_would_not_take_run_in_python():
     """More rows than the fp32 kernels run (a long prompt: ATen's GEMM runs the Python step's projections) and
-    models the kernels do not run at all (bf16 weights: ATen) keep the Python loop; so do other block shapes."""
+    models the kernels do not run at all (bf16 weights: ATen) keep the Python loop."""
     decoder = _decoder(lightgen.accelerate_model(build("llama", seed=6)))
     ids, mask = padded_batch("llama", 3, 90, seed=6)
     state = decoder.start(3, 92, torch.float32, "cpu", prompt_mask=mask)
@@ -168,11 +173,52 @@ def test_steps_the_kernels_would_not_take_run_in_python():
     ids, mask = padded_batch("llama", 2, 5, seed=6)
     bf16.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert _decoder(bf16).native_reason is None and _decoder(bf16).native_steps == 0
-    for family, why in (("gemma", "norm kind"), ("phi3", "separate projections"), ("gpt2", "separate q/k/v"),
-                        ("gemma2", "output norms"), ("t5", "relative position bias"),
-                        ("gpt_neox", "sequential residuals")):
-        reason = _decoder(lightgen.accelerate_model(build(family))).native_reason
-        assert reason is not None and why in reason, (family, reason)
+
+
+def test_every_family_with_a_decoder_step_steps_natively():
+    """Each family's tiny model takes the native step (GPT-2, Phi-3, GPT-NeoX, Gemma 1/2/3 and T5 once fell back)."""
+    for family in BUILDERS:
+        decoder = getattr(lightgen.accelerate_model(build(family)), DECODER_ATTR, None)
+        if decoder is not None:
+            assert decoder.native_reason is None, (family, decoder.native_reason)
+
+
+def _config_model(cls, config_cls, **fields):
+    torch.manual_seed(0)
+    return cls(config_cls(vocab_size=VOCAB, **fields)).eval()
+
+
+@pytest.mark.parametrize(("model", "why"), [
+    (lambda: _config_model(transformers.GPT2LMHeadModel, transformers.GPT2Config, n_embd=32, n_layer=2, n_head=4,
+                           n_positions=64, scale_attn_by_inverse_layer_idx=True), "the same attention shape"),
+    (lambda: _config_model(transformers.GPT2LMHeadModel, transformers.GPT2Config, n_embd=32, n_layer=2, n_head=4,
+                           n_positions=64, activation_function="quick_gelu"), "kernel activation"),
+    (lambda: _config_model(transformers.OPTForCausalLM, transformers.OPTConfig, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, ffn_dim=40, max_position_embeddings=64, word_embed_proj_dim=32,
+                           layer_norm_elementwise_affine=False), "norm kind"),
+], ids=["layer-scaled-attention", "hf-activation", "layer-norm-without-weights"])
+def test_blocks_the_native_step_does_not_run_say_why_and_step_in_python(model, why):
+    model = model()
+    reference = copy.deepcopy(model)
+    decoder = _decoder(lightgen.accelerate_model(model))
+    assert decoder.native_reason is not None and why in decoder.native_reason, decoder.native_reason
+    ids, mask = padded_batch("gpt2", 2, 6, seed=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(**kwargs), reference.generate(**kwargs))
+    assert decoder.native_steps == 0
+
+
+def test_q_k_norms_the_native_step_cannot_run_keep_the_python_step():
+    """Its q/k norm slots hold weights only, of the block's norm kind: LayerNorms (biases, even in a LayerNorm block)
+    or norms of a kind of their own keep the Python loop."""
+    for family in ("qwen3", "opt"):
+        spec = _decoder(lightgen.accelerate_model(build(family))).spec
+        assert native_step.unsupported(spec) is None
+        width = spec.layers[0].self_attn.head_dim
+        attn = dataclasses.replace(spec.layers[0].self_attn, q_norm=torch.nn.LayerNorm(width),
+                                   k_norm=torch.nn.LayerNorm(width))
+        layers = (dataclasses.replace(spec.layers[0], self_attn=attn), *spec.layers[1:])
+        assert "q/k RMSNorms" in native_step.unsupported(dataclasses.replace(spec, layers=layers)), family
 
 
 @torch.no_grad()
@@ -182,19 +228,22 @@ def test_the_native_op_names_what_is_wrong_with_its_arguments():
     state = decoder.start(2, 6, torch.float32, "cpu")
     hidden = torch.randn(2, 1, decoder.spec.token_embedding.shape[1])
     try:
-        tensors, ints = [None] * 62 * 2, [0] * 28 * 2
-        with pytest.raises(RuntimeError, match="'weights' must hold 62 tensors per layer"):
+        tensors, ints = [None] * 66 * 2, [0] * 29 * 2
+        with pytest.raises(RuntimeError, match="'weights' must hold 66 tensors per layer"):
             native_step.layer_weights(tensors[:-1], ints)
-        with pytest.raises(RuntimeError, match="'layer_ints' must hold 28 values per layer"):
+        with pytest.raises(RuntimeError, match="'layer_ints' must hold 29 values per layer"):
             native_step.layer_weights(tensors, ints[:-1])
         layers = len(decoder.spec.layers)
         with pytest.raises(RuntimeError, match=f"'weights' are {layers + 1} layers' but the caches are {layers}"):
             native_step.run(dataclasses.replace(plan, weights=native_step.layer_weights(
-                [None] * 62 * (layers + 1), [0] * 28 * (layers + 1))), state, hidden, None, None)
+                [None] * 66 * (layers + 1), [0] * 29 * (layers + 1))), state, hidden, [], None)
         with pytest.raises(RuntimeError, match="the caches decode 2 rows but 'hidden' has 3"):
-            native_step.run(plan, state, torch.randn(3, 1, hidden.shape[-1]), None, None)
+            native_step.run(plan, state, torch.randn(3, 1, hidden.shape[-1]), [], None)
         with pytest.raises(RuntimeError, match="'hidden' must be float32"):
-            native_step.run(plan, state, hidden.double(), None, None)
+            native_step.run(plan, state, hidden.double(), [], None)
+        with pytest.raises(RuntimeError, match="'cos' and 'sin' must be float32 CPU"):  # Llama's rotate whole heads
+            cos = torch.ones(1, 1, decoder.spec.layers[0].self_attn.head_dim - 2)
+            native_step.run(plan, state, hidden, [(cos, cos)], None)
     finally:
         state.release()
 
