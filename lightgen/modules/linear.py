@@ -7,7 +7,7 @@ step: 28 GB/s at batch 1, 86% of the measured bandwidth, against 26 GB/s on the 
 11 GB/s for MKL; 1.5x faster than [N, K] at batch 8).
 The copy costs, per packed layer, +100% of its fp32 weight bytes (fp32), +50% (bf16), +28% (int8: 8 bits
 + a float scale per 32 weights), +19% (int4: 4 bits + a float scale and zero point per 32), +56% (int8-dynamic
-on a VNNI CPU: int8's copy plus the dot-product layout, 8 bits + an int32 group sum per 32 more), +31% (int4-dynamic
+on a VNNI CPU: int8's copy plus the dot-product layout, 8 bits + an int32 group sum per 32 more), +19% (int4-dynamic
 on a VNNI CPU: its dot-product layout in place of int4's panels, the same bytes as int4).
 ``pack=False`` keeps fp32 at zero extra memory and runs the kernels on the original layout (HF
 Conv1D's [K, N] weight is read as panels in place: fine in isolation, but 1.4x slower than packed in
@@ -72,10 +72,11 @@ IN_PLACE_MAX_ROWS = 48
 # 17.2 / 14.6 and 28.3 / 23.1, 8 rows 30.1 / 17.8, 16: 56.4 / 27.9, 32: 109 / 49.9, 64: 304 / 150.
 INT8_ACTIVATION_MIN_ROWS = 2
 # int4-dynamic: the same for int4's weights. From every row count on (0: its int4 panels are not kept): at 1 row
-# int4's fp32 dequantize already costs more than rounding x. benchmarks/matmul.py --shapes smollm2 --providers lightgen-int4
-# lightgen-int4-dynamic (1 thread, AVX-512 VNNI Zen 4, commit e57d755, quiet: other processes 0% of the CPUs,
-# 23.9 GB/s), ms a step int4 / int4 weights x int8 activations: 1 row 9.06 / 6.09, 2: 11.1 / 6.70, 4: 14.9 / 9.48,
-# 8: 29.1 / 14.2, 16: 54.4 / 22.4, 32: 103 / 37.6 (earlier, others on 51%: 1 row 12.8 / 10.5, 8 rows 38.5 / 18.7).
+# int4's fp32 dequantize already costs more than rounding x. benchmarks/matmul.py --shapes smollm2 --providers
+# lightgen-int4 lightgen-int4-dynamic (1 thread, AVX-512 VNNI Zen 4, commit e57d755, before int4's group-sum kernel;
+# quiet: other processes 0% of the CPUs, 23.9 GB/s), ms a step int4 / int4 weights x int8 activations: 1 row
+# 9.06 / 6.09, 2: 11.1 / 6.70, 4: 14.9 / 9.48, 8: 29.1 / 14.2, 16: 54.4 / 22.4, 32: 103 / 37.6 (earlier, others on
+# 51%: 1 row 12.8 / 10.5, 8 rows 38.5 / 18.7).
 INT4_ACTIVATION_MIN_ROWS = 0
 
 
