@@ -1,4 +1,5 @@
 import math
+import os
 
 import pytest
 import torch
@@ -95,6 +96,8 @@ def test_linear_grouped_matches_reference(fmt, shape, rows):
         assert (got - expected).abs().le(bound).all(), (got - expected).abs().max()
 
 
+@pytest.mark.skipif(os.environ.get("LIGHTGEN_DISABLE_EXT") == "1",
+                    reason="the kernel's property: the reference's ATen matmul blocks rows its own way")
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_linear_grouped_rows_do_not_depend_on_the_batch(fmt):
     """A row's outputs are the same bits alone and in a batch of any size (tiles of 4 rows and their tails), so a

@@ -131,6 +131,7 @@ inline float group_sum(const float* x, int64_t len) {
   for (; k < len; ++k) total += x[k];
   return total;
 }
+
 // Register tile: kRows x kCols accumulators + kCols weight vectors. 3 x 8 measured best on AVX-512 (Zen 4)
 // among 2x8, 3x8, 4x4, 8x2, 8x4, 2x12: 8 weight rows in flight keep the loads streaming at batch 1.
 constexpr int64_t kCols = 8;
@@ -373,9 +374,10 @@ void run_panels(const float* x, int64_t m, int64_t k_len, const PanelJob* jobs, 
 // int8 widens and scales each k row in registers once for all rows of the tile. int4 sums a group's products on
 // the nibbles, sum_k x u, and scales once at the group's end: y += scale[g] * sum x u + offset[g] * sum x, one
 // multiply-add a weight instead of two, which its widening left the bound at few rows (SmolLM2 decode step, 1
-// thread, loaded, A/B in turn: int4 B=1 10.3-12.5 -> 8.2-8.7 ms, B=8 31.5-32.3 -> 34.5-34.7; int8 the same way
-// gained nothing at B=1 and lost at B=8; two-row tiles for int4 lost more at B=8). Each row's arithmetic is the
-// same in any tile, so a row's outputs do not depend on the batch.
+// thread, loaded, A/B in turn: int4 B=1 10.3-12.5 -> 8.2-8.7 ms, B=8 31.5-32.3 -> 34.5-34.7; 2 threads, quiet,
+// benchmarks/vs_llama_cpp.py: B=1 9.2-9.7 -> 8.2-9.0, B=8 30.3-32.2 -> 32.1-33.7; int8 the same way gained nothing
+// at B=1 and lost at B=8; two-row tiles for int4 lost more at B=8). Each row's arithmetic is the same in any tile,
+// so a row's outputs do not depend on the batch.
 // int4 stores k = 2p in the low and k = 2p + 1 in the high nibble of byte row p; group_size is even.
 template <int64_t rows, bool nibbles>
 inline void grouped_tile(const float* x, int64_t ld_x, const void* w_in, int64_t k_len, int64_t group_size,
