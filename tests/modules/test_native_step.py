@@ -263,8 +263,8 @@ def test_without_the_extension_the_python_step_runs():
         print(torch.equal(model.generate(**kwargs), reference.generate(**kwargs)), decoder.native_steps)
         print(decoder.native_reason)
     """)
-    result = subprocess.run([sys.executable, "-W", "ignore::RuntimeWarning", "-c", code], check=False, capture_output=True,
-                            text=True, cwd=ROOT / "tests", timeout=300,
+    result = subprocess.run([sys.executable, "-W", "ignore::RuntimeWarning", "-c", code], check=False,
+                            capture_output=True, text=True, cwd=ROOT / "tests", timeout=300,
                             env={**os.environ, "LIGHTGEN_DISABLE_EXT": "1",
                                  "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert result.returncode == 0, result.stderr[-3000:]
