@@ -305,6 +305,7 @@ struct PanelJob {
   int64_t n = 0, group_size = 0, groups = 0;
   const float* scale = nullptr;  // packed: per column, in the epilogue; group-wise: [P, G, kPanel]
   const float* offset = nullptr;  // group-wise with zero points: [P, G, kPanel]
+  const float* x_sums = nullptr;  // int4: each row's sum of x per group [M, G] (run_panels makes them, once a call)
   const QuantizedRows* rows = nullptr;  // int8 activations: x rounded (w in the dot layout, grouped)
   const int32_t* sums = nullptr;  // their int8 weights' group sums [P, G, kPanel]
   bool vnni = false;  // their kernel: dot_tile_vnni (has_vnni, asked once per call) or dot_tile_portable
@@ -348,11 +349,29 @@ void PanelJob::run_panel(const float* x, int64_t m, int64_t k_len, int64_t panel
 
 // The panels of every job (all of one input x [m, K]) in one parallel loop, each thread's run of panels followed
 // by its columns' epilogue. A panel's result does not depend on which thread or call computes it.
-void run_panels(const float* x, int64_t m, int64_t k_len, const PanelJob* jobs, int64_t count) {
+void run_panels(const float* x, int64_t m, int64_t k_len, const PanelJob* given, int64_t count) {
+  // int4's group sums of x, the same for every panel: once a call per group size, not once a panel.
+  std::vector<PanelJob> jobs(given, given + count);
+  std::vector<std::vector<float>> x_sums;
+  std::vector<int64_t> summed_sizes;
+  x_sums.reserve(count);
+  for (PanelJob& job : jobs) {
+    if (!job.grouped || !job.nibbles) continue;
+    auto same = std::find(summed_sizes.begin(), summed_sizes.end(), job.group_size);
+    if (same == summed_sizes.end()) {
+      std::vector<float> sums(m * job.groups);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t g = 0, k0 = 0; g < job.groups; ++g, k0 += job.group_size)
+          sums[i * job.groups + g] = group_sum(x + i * k_len + k0, std::min(job.group_size, k_len - k0));
+      x_sums.push_back(std::move(sums));
+      same = summed_sizes.insert(summed_sizes.end(), job.group_size);
+    }
+    job.x_sums = x_sums[same - summed_sizes.begin()].data();
+  }
   int64_t total = 0, bytes = 1;
-  for (int64_t j = 0; j < count; ++j) {
-    total += jobs[j].panels();
-    bytes = std::max(bytes, jobs[j].panel_bytes(k_len));
+  for (const PanelJob& job : jobs) {
+    total += job.panels();
+    bytes = std::max(bytes, job.panel_bytes(k_len));
   }
   // Tasks of at least ~64 KB of weights, below which OpenMP fork/join costs more than a second thread saves.
   at::parallel_for(0, total, std::max<int64_t>(1, (64 << 10) / bytes), [&](int64_t begin, int64_t end) {
@@ -381,7 +400,8 @@ void run_panels(const float* x, int64_t m, int64_t k_len, const PanelJob* jobs, 
 // int4 stores k = 2p in the low and k = 2p + 1 in the high nibble of byte row p; group_size is even.
 template <int64_t rows, bool nibbles>
 inline void grouped_tile(const float* x, int64_t ld_x, const void* w_in, int64_t k_len, int64_t group_size,
-                         const float* scale, const float* offset, float* y, int64_t ld_y) {
+                         const float* scale, const float* offset, const float* x_sums, int64_t groups, float* y,
+                         int64_t ld_y) {
   V acc[rows][kPanelVecs];
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t v = 0; v < kPanelVecs; ++v) acc[i][v] = Lanes::zero();
@@ -425,7 +445,7 @@ inline void grouped_tile(const float* x, int64_t ld_x, const void* w_in, int64_t
         }
       }
       for (int64_t i = 0; i < rows; ++i) {
-        const V x_sum = Lanes::broadcast(group_sum(x + i * ld_x + k0, k1 - k0));
+        const V x_sum = Lanes::broadcast(x_sums[i * groups + g]);
         for (int64_t v = 0; v < kPanelVecs; ++v)
           acc[i][v] = Lanes::fma(x_sum, o[v], Lanes::fma(part[i][v], d[v], acc[i][v]));
       }
@@ -445,7 +465,8 @@ void grouped_panel(const PanelJob& job, const float* x, int64_t m, int64_t k_len
   panel_rows(m, std::min(kPanel, job.n - col), job.y + col, job.n,
              [&](auto rows, int64_t i, float* out, int64_t ld_out) {
                grouped_tile<decltype(rows)::value, nibbles>(x + i * k_len, k_len, wp, k_len, job.group_size, sp, op,
-                                                            out, ld_out);
+                                                            nibbles ? job.x_sums + i * job.groups : nullptr,
+                                                            job.groups, out, ld_out);
              });
 }
 
