@@ -221,9 +221,9 @@ def check_precision(model: nn.Module, quantize: str | None) -> None:
                          f"{quantize!r}")
     if quantize in FORMATS and FORMATS[quantize].activations and not int8_dot_available():
         weight_only = quantize.removesuffix("-dynamic")
-        warnings.warn(f"lightgen: quantize={quantize!r} needs AVX-512 VNNI and lightgen's compiled kernels; this "
-                      f"CPU or build has none, so its linear layers run weight-only {weight_only} "
-                      f"(quantize={weight_only!r})", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"lightgen: quantize={quantize!r} needs a SIMD int8-dot kernel (lightgen's compiled AVX2 or "
+                      f"AVX-512 kernels); this CPU or build has none, so its linear layers run weight-only "
+                      f"{weight_only} (quantize={weight_only!r})", RuntimeWarning, stacklevel=3)
     dtypes = {p.dtype for p in model.parameters()}
     if dtypes != {torch.float32}:
         raise ValueError(f"accelerate_model: quantize={quantize!r} needs a float32 model (it keeps the float32 "

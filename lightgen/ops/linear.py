@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -42,18 +43,39 @@ def linear_int8_dynamic(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     """``linear_grouped``'s int8 or int4 weights (``weight``, ``sums``: ``pack_int8_dot`` of its panels; ``scale``,
     ``offset`` its own; int4: with zero points, no ``sums``) times int8 activations: each row's groups of
     ``group_size`` k (a multiple of 4, int4: of 8) are rounded by ``quantize_activations`` and multiplied in
-    int32 (VNNI where the CPU has it). Lossy: x is rounded to 8 bits per group, where ``linear_grouped`` takes
+    int32 (``int8_dot_kernel``). Lossy: x is rounded to 8 bits per group, where ``linear_grouped`` takes
     it as it is (``linear_int8_dynamic_ref`` is the exact specification).
     """
     return _build.op("linear_int8_dynamic")(x, weight, scale, offset, sums, bias, act, out_features, group_size)
 
 
+DOT_KERNELS = ("avx2", "vnni")  # linear_int8_dynamic's SIMD kernels, each faster than the one before
+
+
+def int8_dot_kernel() -> str | None:
+    """The SIMD kernel ``linear_int8_dynamic`` runs here, as the op picks it: "vnni" (the AVX-512 build on a CPU
+    reporting avx512_vnni), "avx2" (the AVX2 build, or AVX-512 without VNNI), or the one LIGHTGEN_INT8_DOT_KERNEL
+    names (auto, portable, avx2, vnni); None where only the portable one runs (no compiled SIMD kernels, or
+    LIGHTGEN_INT8_DOT_KERNEL=portable), which the modules do not use: they run weight-only there."""
+    best = None
+    if _build.load().compiled and _build.cpu_isa() in ("AVX2", "AVX512"):
+        best = "vnni" if _build.cpu_isa() == "AVX512" and "avx512_vnni" in _cpu_flags() else "avx2"
+    asked = os.environ.get("LIGHTGEN_INT8_DOT_KERNEL", "").strip().lower()
+    if asked in ("", "auto"):
+        return best
+    if asked == "portable":
+        return None
+    if asked not in DOT_KERNELS:
+        raise ValueError(f"LIGHTGEN_INT8_DOT_KERNEL must be auto, portable, avx2 or vnni, got {asked!r}")
+    if best is None or DOT_KERNELS.index(asked) > DOT_KERNELS.index(best):
+        raise ValueError(f"LIGHTGEN_INT8_DOT_KERNEL={asked}: this CPU or build has no such kernel (the best here: "
+                         f"{best or 'portable'})")
+    return asked
+
+
 def int8_dot_available() -> bool:
-    """Whether ``linear_int8_dynamic`` runs on VNNI here: the compiled AVX-512 kernels on a CPU reporting
-    avx512_vnni (the kernel asks the CPU itself too), not switched off by LIGHTGEN_DISABLE_VNNI=1."""
-    if _build._env_flag("LIGHTGEN_DISABLE_VNNI") or not _build.load().compiled or _build.cpu_isa() != "AVX512":
-        return False
-    return "avx512_vnni" in _cpu_flags()
+    """Whether ``linear_int8_dynamic`` runs a SIMD kernel here (``int8_dot_kernel``)."""
+    return int8_dot_kernel() is not None
 
 
 @functools.cache

@@ -205,7 +205,8 @@ def test_group_scales_bring_trained_weights_closer_to_fp32(monkeypatch):
 def test_int4_keeps_the_lm_head_at_int8(family, precision):
     model = lightgen.accelerate_model(build(family, seed=5), quantize=precision)
     head = model.get_output_embeddings()
-    kinds = {m._lightgen_linear.weight.dtype for m in model.modules() if "_lightgen_linear" in vars(m) and m is not head}
+    kinds = {m._lightgen_linear.weight.dtype for m in model.modules()
+             if "_lightgen_linear" in vars(m) and m is not head}
     head_precision = precision.replace("int4", "int8")
     assert head._lightgen_linear.weight.dtype == torch.int8 and head._lightgen_linear.precision == head_precision
     assert kinds == {torch.uint8}
@@ -216,10 +217,10 @@ def test_int4_keeps_the_lm_head_at_int8(family, precision):
 
 
 @pytest.mark.parametrize("weight_only", ["int8", "int4"])
-def test_dynamic_without_vnni_warns_and_runs_weight_only(monkeypatch, weight_only):
-    monkeypatch.setenv("LIGHTGEN_DISABLE_VNNI", "1")
+def test_dynamic_without_an_int8_dot_kernel_warns_and_runs_weight_only(monkeypatch, weight_only):
+    monkeypatch.setenv("LIGHTGEN_INT8_DOT_KERNEL", "portable")
     model = build("llama", seed=9)
-    with pytest.warns(RuntimeWarning, match=f"needs AVX-512 VNNI .* run weight-only {weight_only} "
+    with pytest.warns(RuntimeWarning, match=f"needs a SIMD int8-dot kernel .* run weight-only {weight_only} "
                                             f"\\(quantize='{weight_only}'\\)"):
         dynamic = lightgen.accelerate_model(copy.deepcopy(model), quantize=f"{weight_only}-dynamic")
     plain = lightgen.accelerate_model(model, quantize=weight_only)

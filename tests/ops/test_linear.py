@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import linear_operand
 
-from lightgen import ops
+from lightgen import _build, ops
 from lightgen.modules.linear import (
     INT4_ACTIVATION_MIN_ROWS,
     INT8_ACTIVATION_MIN_ROWS,
@@ -13,8 +13,10 @@ from lightgen.modules.linear import (
     packed_weights,
 )
 from lightgen.ops.linear import (
+    DOT_KERNELS,
     dequantize_grouped,
     int8_dot_available,
+    int8_dot_kernel,
     pack_int8_dot,
     pack_panels,
     quantize_grouped,
@@ -233,7 +235,7 @@ DYNAMIC_FORMATS = [QuantFormat(8, 32), QuantFormat(8, 32, True), QuantFormat(8, 
                    QuantFormat(8, 128), QuantFormat(4, 32, True), QuantFormat(4, 8, True), QuantFormat(4, 24, True),
                    QuantFormat(4, 128, True)]
 DYNAMIC_IDS = [f"int{f.bits}-g{f.group_size}{'-zp' if f.zero_points else ''}" for f in DYNAMIC_FORMATS]
-KERNELS = ["vnni", "portable"]
+KERNELS = ["portable", *DOT_KERNELS]
 
 
 def _dynamic(weight, fmt):
@@ -242,10 +244,16 @@ def _dynamic(weight, fmt):
     return q, scale, offset, dot, sums
 
 
+def _simd_kernels():
+    """The SIMD int8-dot kernels this CPU and build run: the best and every one before it."""
+    best = int8_dot_kernel()
+    return [] if best is None else list(DOT_KERNELS[:DOT_KERNELS.index(best) + 1])
+
+
 def _kernel(monkeypatch, kernel):
-    if kernel == "vnni" and not int8_dot_available():
-        pytest.skip("this CPU or build has no AVX-512 VNNI")
-    monkeypatch.setenv("LIGHTGEN_DISABLE_VNNI", "1" if kernel == "portable" else "0")
+    if kernel != "portable" and kernel not in _simd_kernels():
+        pytest.skip(f"this CPU or build has no {kernel} int8-dot kernel")
+    monkeypatch.setenv("LIGHTGEN_INT8_DOT_KERNEL", kernel)
 
 
 def test_int8_dot_layout_round_trips_and_sums_its_groups():
@@ -299,11 +307,12 @@ def test_linear_int8_dynamic_matches_reference(monkeypatch, kernel, fmt, shape, 
 @pytest.mark.parametrize("fmt", [QuantFormat(8, 8), QuantFormat(8, 12, True), QuantFormat(4, 8, True),
                                  QuantFormat(4, 32, True)], ids=["int8", "int8-zp", "int4-g8", "int4-g32"])
 @pytest.mark.parametrize("shape", [(7, 15), (130, 33), (70, 75)])
-def test_vnni_and_portable_kernels_give_the_same_bits(monkeypatch, fmt, shape):
-    """The same integers and the same float rounding (fused multiply-adds in one order) on both paths, both the
-    reference's result to float rounding, over every row count the tiles of 3 (VNNI) and 1 leave."""
-    if not int8_dot_available():
-        pytest.skip("this CPU or build has no AVX-512 VNNI")
+def test_simd_and_portable_kernels_give_the_same_bits(monkeypatch, fmt, shape):
+    """The same integers and the same float rounding (fused multiply-adds in one order) on every kernel, each the
+    reference's result to float rounding, over every row count the tiles of 3 (VNNI), 2 (AVX2) and 1 leave."""
+    kernels = _simd_kernels()
+    if not kernels:
+        pytest.skip("this CPU or build has no SIMD int8-dot kernel")
     gen = torch.Generator().manual_seed(shape[1])
     q, scale, offset, dot, sums = _dynamic(torch.randn(*shape, generator=gen), fmt)
     w = dequantize_grouped(q, scale, offset, fmt.group_size, shape[1], shape[0])
@@ -311,14 +320,56 @@ def test_vnni_and_portable_kernels_give_the_same_bits(monkeypatch, fmt, shape):
     for rows in [*range(1, 8), 13]:
         x = torch.randn(rows, shape[1], generator=gen)
         x[0, :5] = 0.0  # a partly zero group
+        x[-1, 1] = -x[-1].abs().max()  # a group's -127
         args = (x, dot, scale, offset, sums, bias, "none", shape[0], fmt.group_size)
-        outputs = []
-        for disable in ("0", "1"):
-            monkeypatch.setenv("LIGHTGEN_DISABLE_VNNI", disable)
-            outputs.append(ops.linear_int8_dynamic(*args))
-        assert torch.equal(*outputs), (rows, (outputs[0] - outputs[1]).abs().max())
+        monkeypatch.setenv("LIGHTGEN_INT8_DOT_KERNEL", "portable")
+        expected = ops.linear_int8_dynamic(*args)
+        for kernel in kernels:
+            monkeypatch.setenv("LIGHTGEN_INT8_DOT_KERNEL", kernel)
+            got = ops.linear_int8_dynamic(*args)
+            assert torch.equal(got, expected), (kernel, rows, (got - expected).abs().max())
         bound = 2e-5 + 2e-7 * (x.abs() @ w.abs().t() + bias.abs())
-        assert (outputs[0] - ops.linear_int8_dynamic_ref(*args)).abs().le(bound).all(), rows
+        assert (expected - ops.linear_int8_dynamic_ref(*args)).abs().le(bound).all(), rows
+
+
+def test_extreme_int8_weights_do_not_saturate_the_int16_pairs(monkeypatch):
+    """AVX2 multiplies |q| by a * sign(q) in int16 pairs: q = -128 (zero points' grid) and a = +-127 everywhere
+    are its largest pairs, 2 * 128 * 127 < 2^15; int4's u = 15 against a = -127 add up 8 products in int16."""
+    kernels = _simd_kernels()
+    if not kernels:
+        pytest.skip("this CPU or build has no SIMD int8-dot kernel")
+    for fmt in (QuantFormat(8, 128, True), QuantFormat(4, 128, True)):
+        weight = torch.full((64, 256), -1.0)
+        weight[:, ::3] = 1.0
+        q, scale, offset, dot, sums = _dynamic(weight, fmt)
+        q = torch.full_like(q, -128 if fmt.bits == 8 else 0xFF)  # every weight at its grid's end
+        dot, sums = pack_int8_dot(q, fmt.group_size, 256)
+        pairs = torch.where(torch.arange(256) % 4 < 2, 1.0, -1.0)  # the two k of an int16 pair share a sign
+        x = torch.stack([torch.ones(256), -torch.ones(256), pairs])
+        args = (x, dot, scale, offset, sums, None, "none", 64, fmt.group_size)
+        monkeypatch.setenv("LIGHTGEN_INT8_DOT_KERNEL", "portable")
+        expected = ops.linear_int8_dynamic(*args)
+        torch.testing.assert_close(expected, ops.linear_int8_dynamic_ref(*args), atol=1e-4, rtol=1e-5)
+        for kernel in kernels:
+            monkeypatch.setenv("LIGHTGEN_INT8_DOT_KERNEL", kernel)
+            assert torch.equal(ops.linear_int8_dynamic(*args), expected), (fmt.bits, kernel)
+
+
+def test_the_int8_dot_kernel_is_asked_for_by_name(monkeypatch):
+    missing = [k for k in DOT_KERNELS if k not in _simd_kernels()]
+    monkeypatch.setenv("LIGHTGEN_INT8_DOT_KERNEL", "sse")
+    with pytest.raises(ValueError, match="must be auto, portable, avx2 or vnni, got 'sse'"):
+        int8_dot_kernel()
+    _, scale, offset, dot, sums = _dynamic(torch.randn(8, 16), QuantFormat(8, 8))
+    if _build.load().compiled:
+        with pytest.raises(RuntimeError, match="LIGHTGEN_INT8_DOT_KERNEL must be auto, portable, avx2 or vnni"):
+            ops.linear_int8_dynamic(torch.randn(2, 16), dot, scale, offset, sums, None, "none", 8, 8)
+    for kernel in missing:
+        monkeypatch.setenv("LIGHTGEN_INT8_DOT_KERNEL", kernel)
+        with pytest.raises(ValueError, match=f"LIGHTGEN_INT8_DOT_KERNEL={kernel}: this CPU or build has no such"):
+            int8_dot_kernel()
+    monkeypatch.setenv("LIGHTGEN_INT8_DOT_KERNEL", "portable")
+    assert int8_dot_kernel() is None and not int8_dot_available()
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -389,12 +440,12 @@ def test_opcheck_int8_dynamic(fmt):
 def test_dynamic_weights_choose_the_kernel_by_rows(monkeypatch, precision, min_rows):
     """Below INT8_ACTIVATION_MIN_ROWS rows the weight-only kernel runs (bit-identical to quantize="int8"), from there
     on the int8-activation one; int4 runs it from 0 rows and keeps no int4 panels beside its dot-product layout;
-    without VNNI only the weight-only one."""
+    without a SIMD int8-dot kernel only the weight-only one."""
     weight, bias = torch.randn(96, 80), torch.randn(96)
     weight_only = packed_weights(weight, precision)
     if not int8_dot_available():
         assert packed_weights(weight, f"{precision}-dynamic").dot is None
-        pytest.skip("this CPU or build has no AVX-512 VNNI")
+        pytest.skip("this CPU or build has no SIMD int8-dot kernel")
     dynamic = packed_weights(weight, f"{precision}-dynamic")
     assert dynamic.dot is not None and dynamic.dot_min_rows == min_rows and weight_only.dot_min_rows == 0
     if min_rows:
@@ -409,5 +460,5 @@ def test_dynamic_weights_choose_the_kernel_by_rows(monkeypatch, precision, min_r
                                             "none", 96, 32)
                     if rows >= min_rows else weight_only.run(x, bias))
         assert torch.equal(dynamic.run(x, bias), expected), rows
-    monkeypatch.setenv("LIGHTGEN_DISABLE_VNNI", "1")
+    monkeypatch.setenv("LIGHTGEN_INT8_DOT_KERNEL", "portable")
     assert packed_weights(weight, f"{precision}-dynamic").dot is None

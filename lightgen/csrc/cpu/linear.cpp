@@ -293,6 +293,7 @@ void linear_rows_k_major(const float* x, int64_t m, int64_t k_len, const float* 
 }
 
 struct QuantizedRows;
+enum class DotKernel { kPortable, kAvx2, kVnni };  // int8 activations: dot_tile_portable / _avx2 / _vnni
 
 // One linear layer whose weight is in panels, as run_panels hands them out: packed [P, K, kPanel] float32,
 // bfloat16 or int8 (a per-column scale applied after), group-wise quantized (grouped_tile, below), or group-wise
@@ -308,7 +309,7 @@ struct PanelJob {
   const float* x_sums = nullptr;  // int4: each row's sum of x per group [M, G] (run_panels makes them, once a call)
   const QuantizedRows* rows = nullptr;  // int8 activations: x rounded (w in the dot layout, grouped)
   const int32_t* sums = nullptr;  // their int8 weights' group sums [P, G, kPanel]
-  bool vnni = false;  // their kernel: dot_tile_vnni (has_vnni, asked once per call) or dot_tile_portable
+  DotKernel kernel = DotKernel::kPortable;  // theirs (dot_kernel, asked once a call)
   const float* bias = nullptr;
   Act act = Act::kNone;
   float* y = nullptr;
@@ -572,8 +573,8 @@ struct DotPanel {
   int64_t lane_end(int64_t g) const { return std::min(lanes, (g + 1) * group_lanes); }
 };
 
-// Any CPU: the same integers, one column at a time, and the same float rounding as dot_tile_vnni (explicit fused
-// multiply-adds in its order), so both give the same bits.
+// Any CPU: the same integers, one column at a time, and the same float rounding as dot_tile_avx2 and _vnni
+// (explicit fused multiply-adds in their order), so all give the same bits.
 template <int64_t rows, bool nibbles>
 void dot_tile_portable(const DotPanel& p, float* y, int64_t ld_y) {
   constexpr int64_t per_lane = lane_k(nibbles);
@@ -599,11 +600,84 @@ void dot_tile_portable(const DotPanel& p, float* y, int64_t ld_y) {
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// AVX2 (any CPU of the AVX2 and AVX-512 builds): vpmaddubsw multiplies unsigned by signed bytes into int16 pairs,
+// vpmaddwd sums int16 pairs into int32 lanes, so a lane's 4 k (int4: 8) come out as one column's integer dot
+// product, the same integers as the other kernels, and the same float rounding after.
+//   int8: |q| is the unsigned operand and a * sign(q) the signed one: a pair is at most 2 * 128 * 127 < 2^15 (no
+//     saturation), and the sum is sum a q itself (a = the stored a + 128, xor 0x80), without the group sums.
+//   int4: u is the unsigned operand and a the signed one; a pair is at most 2 * 15 * 127, so the products of up to
+//     4 lanes (8 vpmaddubsw) add up in int16 before one vpmaddwd.
+// Half a panel (4 vectors of 8 columns) at a time: 2 rows' 8 int32 accumulators, the weights and the broadcasts
+// fit the 16 registers; the float accumulators wait in L1 between groups.
+template <int64_t rows, bool nibbles>
+__attribute__((target("avx2,fma"))) void dot_tile_avx2(const DotPanel& p, float* y, int64_t ld_y) {
+  constexpr int64_t per_lane = lane_k(nibbles), vecs = 4, lanes_in_int16 = nibbles ? 4 : 1;
+  const __m256i ones = _mm256_set1_epi16(1), low_nibbles = _mm256_set1_epi8(15);
+  for (int64_t half = 0; half < kPanel / (vecs * 8); ++half) {
+    const int64_t c0 = half * vecs * 8;
+    __m256 acc[rows][vecs];
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t v = 0; v < vecs; ++v) acc[i][v] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < p.groups; ++g) {
+      __m256i dot[rows][vecs];
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t v = 0; v < vecs; ++v) dot[i][v] = _mm256_setzero_si256();
+      for (int64_t lane = g * p.group_lanes, end = p.lane_end(g); lane < end; lane += lanes_in_int16) {
+        __m256i part[rows][vecs];
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t v = 0; v < vecs; ++v) part[i][v] = _mm256_setzero_si256();
+        for (int64_t l = lane, stop = std::min(end, lane + lanes_in_int16); l < stop; ++l) {
+          __m256i a[rows][per_lane / 4];
+          for (int64_t i = 0; i < rows; ++i)
+            for (int64_t h = 0; h < per_lane / 4; ++h) {
+              int32_t four;
+              std::memcpy(&four, p.q + i * p.lanes * per_lane + l * per_lane + h * 4, 4);
+              a[i][h] = _mm256_set1_epi32(nibbles ? four : four ^ static_cast<int32_t>(0x80808080u));
+            }
+          for (int64_t v = 0; v < vecs; ++v) {
+            const __m256i raw =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.w + (l * kPanel + c0 + v * 8) * 4));
+            if constexpr (nibbles) {
+              const __m256i lo = _mm256_and_si256(raw, low_nibbles);
+              const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
+              for (int64_t i = 0; i < rows; ++i)
+                part[i][v] = _mm256_add_epi16(
+                    part[i][v], _mm256_add_epi16(_mm256_maddubs_epi16(lo, a[i][0]), _mm256_maddubs_epi16(hi, a[i][1])));
+            } else {
+              const __m256i magnitude = _mm256_abs_epi8(raw);
+              for (int64_t i = 0; i < rows; ++i)
+                part[i][v] = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(a[i][0], raw));
+            }
+          }
+        }
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t v = 0; v < vecs; ++v)
+            dot[i][v] = _mm256_add_epi32(dot[i][v], _mm256_madd_epi16(part[i][v], ones));
+      }
+      for (int64_t v = 0; v < vecs; ++v) {
+        const __m256 d = _mm256_loadu_ps(p.scale + g * kPanel + c0 + v * 8);
+        for (int64_t i = 0; i < rows; ++i) {
+          const __m256 dt = _mm256_mul_ps(d, _mm256_set1_ps(p.step[i * p.groups + g]));
+          acc[i][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][v]), dt, acc[i][v]);
+        }
+        if (p.offset) {
+          const __m256 o = _mm256_loadu_ps(p.offset + g * kPanel + c0 + v * 8);
+          for (int64_t i = 0; i < rows; ++i)
+            acc[i][v] = _mm256_fmadd_ps(o, _mm256_set1_ps(p.sum[i * p.groups + g]), acc[i][v]);
+        }
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t v = 0; v < vecs; ++v) _mm256_storeu_ps(y + i * ld_y + c0 + v * 8, acc[i][v]);
+  }
+}
+#endif
+
 #if defined(CPU_CAPABILITY_AVX512)
-// AVX-512 VNNI, compiled for it here and run only where the CPU reports it (has_vnni). 3 rows x 4 vectors of 16
+// AVX-512 VNNI, compiled for it here and run only where the CPU reports it (dot_kernel). 3 rows x 4 vectors of 16
 // columns: 12 int32 and 12 float accumulators, 4 weight vectors and a broadcast fit the 32 registers (int4: the
 // nibbles split into 8, the float accumulators wait in L1 between groups).
-constexpr int64_t kDotRows = 3;
 
 template <int64_t rows, bool nibbles>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void dot_tile_vnni(const DotPanel& p, float* y,
@@ -658,15 +732,37 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void dot_tile_vnni(const 
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t v = 0; v < 4; ++v) _mm512_storeu_ps(y + i * ld_y + v * 16, acc[i][v]);
 }
+#endif
 
-bool has_vnni() {
-  static const bool cpu = __builtin_cpu_supports("avx512vnni");
-  // LIGHTGEN_DISABLE_VNNI=1 (as lightgen/_build.py reads flags), per call: tests run the portable kernel too.
-  const char* env = std::getenv("LIGHTGEN_DISABLE_VNNI");
-  std::string off = env ? env : "";
-  for (char& c : off) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return cpu && !(off == "1" || off == "true" || off == "yes" || off == "on");
+// The int8-activation kernel of a call: the best this build and CPU have, or the one LIGHTGEN_INT8_DOT_KERNEL names
+// (auto, portable, avx2, vnni; read per call, so tests run each kernel there is).
+DotKernel dot_kernel() {
+#if defined(CPU_CAPABILITY_AVX512)
+  static const DotKernel best = __builtin_cpu_supports("avx512vnni") ? DotKernel::kVnni : DotKernel::kAvx2;
+#elif defined(CPU_CAPABILITY_AVX2)
+  constexpr DotKernel best = DotKernel::kAvx2;
+#else
+  constexpr DotKernel best = DotKernel::kPortable;
+#endif
+  const char* env = std::getenv("LIGHTGEN_INT8_DOT_KERNEL");
+  std::string name = env ? env : "";
+  for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (name.empty() || name == "auto") return best;
+  const char* names[] = {"portable", "avx2", "vnni"};
+  for (int kernel = 0; kernel < 3; ++kernel) {
+    if (name != names[kernel]) continue;
+    TORCH_CHECK(kernel <= static_cast<int>(best), "LIGHTGEN_INT8_DOT_KERNEL=", env,
+                ": this CPU or build has no such kernel (the best here: ", names[static_cast<int>(best)], ")");
+    return static_cast<DotKernel>(kernel);
+  }
+  TORCH_CHECK(false, "LIGHTGEN_INT8_DOT_KERNEL must be auto, portable, avx2 or vnni, got '", env, "'");
 }
+
+// Rows a tile of the dot kernels: 3 (VNNI's register file), 2 (AVX2's), 1 (portable: one column at a time).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kDotRows = 3;
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t kDotRows = 2;
 #else
 constexpr int64_t kDotRows = 1;
 #endif
@@ -687,7 +783,12 @@ void dot_panel(const PanelJob& job, int64_t m, int64_t k_len, int64_t panel) {
                          tile.step = job.rows->step.data() + i * groups;
                          tile.sum = job.rows->sum.data() + i * groups;
 #if defined(CPU_CAPABILITY_AVX512)
-                         if (job.vnni) return dot_tile_vnni<decltype(r)::value, nibbles>(tile, out, ld);
+                         if (job.kernel == DotKernel::kVnni)
+                           return dot_tile_vnni<decltype(r)::value, nibbles>(tile, out, ld);
+#endif
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+                         if (job.kernel == DotKernel::kAvx2)
+                           return dot_tile_avx2<decltype(r)::value, nibbles>(tile, out, ld);
 #endif
                          dot_tile_portable<decltype(r)::value, nibbles>(tile, out, ld);
                        });
@@ -802,9 +903,7 @@ PanelJob dot_job(const DotLinear& d, int64_t out_features, int64_t group_size, A
   job.w = d.weight.data_ptr();
   job.grouped = true;
   job.nibbles = d.nibbles;
-#if defined(CPU_CAPABILITY_AVX512)
-  job.vnni = has_vnni();
-#endif
+  job.kernel = dot_kernel();
   job.n = out_features;
   job.group_size = group_size;
   job.groups = d.scale.size(1);
