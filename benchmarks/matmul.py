@@ -9,11 +9,11 @@ Providers: ``aten`` (F.linear, MKL), ``onednn`` (weights packed by torch.utils.m
 ``lightgen-inplace`` (ops.linear on nn.Linear's own [N, K] weight, what ``pack=False`` runs),
 ``lightgen`` fp32 / bf16 / int8 / int4 (packed panels, what accelerate_model runs; bf16, int8
 and int4 are weight-only, int8 / int4 group-wise: ops.linear_grouped), ``lightgen-int8-dynamic``
-(``quantize="int8-dynamic"``: the same int8 weights times int8 activations per group of 32, VNNI dot
-products, from INT8_ACTIVATION_MIN_ROWS rows on), ``lightgen-int4-dynamic`` (``quantize="int4-dynamic"``:
+(``quantize="int8-dynamic"``: the same int8 weights times int8 activations per group of 32, int32 dot
+products (VNNI or AVX2), from INT8_ACTIVATION_MIN_ROWS rows on), ``lightgen-int4-dynamic`` (``quantize="int4-dynamic"``:
 int4's weights times int8 activations, from INT4_ACTIVATION_MIN_ROWS rows on), ``fbgemm-int8`` (torch dynamic
-quantization, int8 activations per tensor, fbgemm's int8 GEMM). ``--shapes smollm2`` runs SmolLM2-135M's step instead: 30
-layers of q (576x576), k, v (192x576), o (576x576), gate, up (1536x576), down (576x1536), and the tied
+quantization, int8 activations per tensor, fbgemm's int8 GEMM). ``--shapes smollm2`` runs SmolLM2-135M's step
+instead: 30 layers of q (576x576), k, v (192x576), o (576x576), gate, up (1536x576), down (576x1536), and the tied
 LM head (49152x576).
 Reports ms per step, the GB/s of weight bytes each provider streams, that as a share of the
 memory bandwidth measured in the same run (a 256 MB sum), and the ratio to aten.

@@ -37,7 +37,7 @@ CSRC = Path(__file__).parent / "csrc"
 SCHEMA_FILE = CSRC / "lightgen_ops.cpp"
 NAMESPACE = "lightgen"
 # Ops with no CUDA kernel (on CUDA tensors their reference runs, with the fallback warning): linear_int8_dynamic's
-# int8 activations are for CPUs with AVX-512 VNNI; a GPU runs weight-only int8 (quantized layers stay on the CPU).
+# int8 activations are for CPUs (AVX-512 VNNI or AVX2); a GPU runs weight-only int8 (quantized layers stay on the CPU).
 # sample_tokens reproduces the CPU generator's draws; ops.sample_tokens gives CUDA tensors to torch.multinomial.
 CPU_ONLY = frozenset({"linear_int8_dynamic", "sample_tokens"})
 

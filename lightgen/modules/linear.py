@@ -7,8 +7,8 @@ step: 28 GB/s at batch 1, 86% of the measured bandwidth, against 26 GB/s on the 
 11 GB/s for MKL; 1.5x faster than [N, K] at batch 8).
 The copy costs, per packed layer, +100% of its fp32 weight bytes (fp32), +50% (bf16), +28% (int8: 8 bits
 + a float scale per 32 weights), +19% (int4: 4 bits + a float scale and zero point per 32), +56% (int8-dynamic
-on a VNNI CPU: int8's copy plus the dot-product layout, 8 bits + an int32 group sum per 32 more), +19% (int4-dynamic
-on a VNNI CPU: its dot-product layout in place of int4's panels, the same bytes as int4).
+with a SIMD int8-dot kernel: int8's copy plus the dot-product layout, 8 bits + an int32 group sum per 32 more),
++19% (int4-dynamic with one: its dot-product layout in place of int4's panels, the same bytes as int4).
 ``pack=False`` keeps fp32 at zero extra memory and runs the kernels on the original layout (HF
 Conv1D's [K, N] weight is read as panels in place: fine in isolation, but 1.4x slower than packed in
 a GPT-2 decode step, where the strided rows miss DRAM pages).
@@ -42,8 +42,8 @@ class QuantFormat:
     group_size: int
     zero_points: bool | None = False
     # Lossy: from LinearWeights.dot_min_rows rows on, x is rounded to int8 per group too and the dot products run
-    # in int32 (ops.linear_int8_dynamic), on CPUs with AVX-512 VNNI (elsewhere the weight-only path). int4: with
-    # zero points.
+    # in int32 (ops.linear_int8_dynamic), where it has a SIMD kernel (ops.linear.int8_dot_kernel: AVX2 or AVX-512
+    # VNNI; elsewhere the weight-only path). int4: with zero points.
     activations: bool = False
 
 

@@ -216,24 +216,42 @@ inline int64_t column_grain(int64_t k_len, int64_t weight_bytes) {
 // (row stride kPanel: one sequential stream per thread), which quantized weights are stored in.
 constexpr int64_t kPanel = 64;
 constexpr int64_t kPanelVecs = kPanel / Lanes::size;
-constexpr int64_t kPanelRows = kPanelVecs <= 4 ? 4 : 1;  // accumulators must fit the register file
+// Tiles of a panel, rows x vectors (of Lanes::size columns): the accumulators must fit the register file with the
+// weight vectors. AVX-512: 4 x 4 (the whole panel) for every kind. AVX2, measured (benchmarks' SmolLM2 step shapes,
+// 1 thread, variants interleaved in one process; ms at 1 / 2 / 3 / 8 rows): packed 2 x 8 (41.2 / 55.4 / 59.6 /
+// 80.3 against 1 x 8's 41.6 / 59.4 / 55.7 / 85.9 and 3 x 4's 42.3 / 85.3 / 80.2 / 103: half panels split fp32's
+// stream into strided ones); group-wise int8 3 x 4 (18.0 / 25.9 / 28.8 / 62.9 against 1 x 8's 18.3 / 31.8 / 39.8 /
+// 103: its k rows are one cache line); int4 2 x 8 (13.3 / 13.8 / 18.6 / 44.1 against 3 x 4's 13.3 / 18.6 / 23.8 /
+// 61.4). Scalar: 1 x 64.
+struct TileShape {
+  int64_t rows, vecs;
+};
+constexpr TileShape tile_shape(TileShape avx512, TileShape avx2) {
+  return Lanes::size == 16 ? avx512 : Lanes::size == 8 ? avx2 : TileShape{1, kPanelVecs};
+}
+constexpr TileShape kPackedTile = tile_shape({4, 4}, {2, 8});
+constexpr TileShape kGroupedInt8Tile = tile_shape({4, 4}, {3, 4});
+constexpr TileShape kGroupedInt4Tile = tile_shape({4, 4}, {2, 8});
 
 template <int64_t rows, typename W>
 inline void panel_tile(const float* x, int64_t ld_x, const W* w, int64_t ld_w, int64_t k_len, float* y,
                        int64_t ld_y) {
-  V acc[rows][kPanelVecs];
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t v = 0; v < kPanelVecs; ++v) acc[i][v] = Lanes::zero();
-  for (int64_t k = 0; k < k_len; ++k) {
-    V wv[kPanelVecs];
-    for (int64_t v = 0; v < kPanelVecs; ++v) wv[v] = Lanes::load(w + k * ld_w + v * Lanes::size);
-    for (int64_t i = 0; i < rows; ++i) {
-      V xv = Lanes::broadcast(x[i * ld_x + k]);
-      for (int64_t v = 0; v < kPanelVecs; ++v) acc[i][v] = Lanes::fma(xv, wv[v], acc[i][v]);
+  constexpr int64_t kTileVecs = kPackedTile.vecs, kTileCols = kTileVecs * Lanes::size;
+  for (int64_t c0 = 0; c0 < kPanel; c0 += kTileCols) {
+    V acc[rows][kTileVecs];
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t v = 0; v < kTileVecs; ++v) acc[i][v] = Lanes::zero();
+    for (int64_t k = 0; k < k_len; ++k) {
+      V wv[kTileVecs];
+      for (int64_t v = 0; v < kTileVecs; ++v) wv[v] = Lanes::load(w + k * ld_w + c0 + v * Lanes::size);
+      for (int64_t i = 0; i < rows; ++i) {
+        V xv = Lanes::broadcast(x[i * ld_x + k]);
+        for (int64_t v = 0; v < kTileVecs; ++v) acc[i][v] = Lanes::fma(xv, wv[v], acc[i][v]);
+      }
     }
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t v = 0; v < kTileVecs; ++v) Lanes::store(y + i * ld_y + c0 + v * Lanes::size, acc[i][v]);
   }
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t v = 0; v < kPanelVecs; ++v) Lanes::store(y + i * ld_y + v * Lanes::size, acc[i][v]);
 }
 
 // rows_constant<r>(rows, f): f(std::integral_constant<int64_t, rows>{}) for a runtime 1 <= rows <= r.
@@ -248,7 +266,7 @@ inline void rows_constant(int64_t rows, const F& f) {
 // One panel (kPanel columns starting at y) for all m rows; ``cols`` < kPanel for a packed tail panel,
 // whose padding columns go to a scratch row instead of y. ``tile(rows_constant, first_row, out, ld_out)``
 // computes up to tile_rows rows of the panel.
-template <int64_t tile_rows = kPanelRows, typename Tile>
+template <int64_t tile_rows, typename Tile>
 void panel_rows(int64_t m, int64_t cols, float* y, int64_t ld_y, const Tile& tile) {
   float scratch[tile_rows * kPanel];
   for (int64_t i = 0; i < m; i += tile_rows) {
@@ -265,7 +283,7 @@ void panel_rows(int64_t m, int64_t cols, float* y, int64_t ld_y, const Tile& til
 template <typename W>
 void panel_columns(const float* x, int64_t m, int64_t k_len, const W* w, int64_t ld_w, int64_t cols, float* y,
                    int64_t ld_y) {
-  panel_rows(m, cols, y, ld_y, [&](auto rows, int64_t i, float* out, int64_t ld_out) {
+  panel_rows<kPackedTile.rows>(m, cols, y, ld_y, [&](auto rows, int64_t i, float* out, int64_t ld_out) {
     panel_tile<decltype(rows)::value>(x + i * k_len, k_len, w, ld_w, k_len, out, ld_out);
   });
 }
@@ -403,57 +421,61 @@ template <int64_t rows, bool nibbles>
 inline void grouped_tile(const float* x, int64_t ld_x, const void* w_in, int64_t k_len, int64_t group_size,
                          const float* scale, const float* offset, const float* x_sums, int64_t groups, float* y,
                          int64_t ld_y) {
-  V acc[rows][kPanelVecs];
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t v = 0; v < kPanelVecs; ++v) acc[i][v] = Lanes::zero();
-  for (int64_t k0 = 0, g = 0; k0 < k_len; k0 += group_size, ++g) {
-    const int64_t k1 = std::min(k_len, k0 + group_size);
-    V d[kPanelVecs], o[kPanelVecs];
-    for (int64_t v = 0; v < kPanelVecs; ++v) {
-      d[v] = Lanes::load(scale + g * kPanel + v * Lanes::size);
-      if (offset)
-        o[v] = Lanes::load(offset + g * kPanel + v * Lanes::size);
-      else if constexpr (nibbles)
-        o[v] = Lanes::mul(d[v], Lanes::broadcast(-8.f));
-    }
-    if constexpr (!nibbles) {
-      const int8_t* w = static_cast<const int8_t*>(w_in);
-      for (int64_t k = k0; k < k1; ++k) {
-        V wv[kPanelVecs];
-        for (int64_t v = 0; v < kPanelVecs; ++v) {
-          const V q = Lanes::load(w + k * kPanel + v * Lanes::size);
-          wv[v] = offset ? Lanes::fma(q, d[v], o[v]) : Lanes::mul(q, d[v]);
-        }
-        for (int64_t i = 0; i < rows; ++i) {
-          V xv = Lanes::broadcast(x[i * ld_x + k]);
-          for (int64_t v = 0; v < kPanelVecs; ++v) acc[i][v] = Lanes::fma(xv, wv[v], acc[i][v]);
-        }
+  constexpr int64_t kTileVecs = (nibbles ? kGroupedInt4Tile : kGroupedInt8Tile).vecs;
+  constexpr int64_t kTileCols = kTileVecs * Lanes::size;
+  for (int64_t c0 = 0; c0 < kPanel; c0 += kTileCols) {
+    V acc[rows][kTileVecs];
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t v = 0; v < kTileVecs; ++v) acc[i][v] = Lanes::zero();
+    for (int64_t k0 = 0, g = 0; k0 < k_len; k0 += group_size, ++g) {
+      const int64_t k1 = std::min(k_len, k0 + group_size);
+      V d[kTileVecs], o[kTileVecs];
+      for (int64_t v = 0; v < kTileVecs; ++v) {
+        d[v] = Lanes::load(scale + g * kPanel + c0 + v * Lanes::size);
+        if (offset)
+          o[v] = Lanes::load(offset + g * kPanel + c0 + v * Lanes::size);
+        else if constexpr (nibbles)
+          o[v] = Lanes::mul(d[v], Lanes::broadcast(-8.f));
       }
-    } else {
-      const uint8_t* w = static_cast<const uint8_t*>(w_in);
-      V part[rows][kPanelVecs];
-      for (int64_t i = 0; i < rows; ++i)
-        for (int64_t v = 0; v < kPanelVecs; ++v) part[i][v] = Lanes::zero();
-      for (int64_t k = k0; k < k1; k += 2) {
-        const bool pair = k + 1 < k1;  // false only for an odd k_len's last k (its high nibble is padding)
-        for (int64_t v = 0; v < kPanelVecs; ++v) {
-          V lo, hi;
-          Lanes::load_nibbles(w + (k / 2) * kPanel + v * Lanes::size, &lo, &hi);
+      if constexpr (!nibbles) {
+        const int8_t* w = static_cast<const int8_t*>(w_in);
+        for (int64_t k = k0; k < k1; ++k) {
+          V wv[kTileVecs];
+          for (int64_t v = 0; v < kTileVecs; ++v) {
+            const V q = Lanes::load(w + k * kPanel + c0 + v * Lanes::size);
+            wv[v] = offset ? Lanes::fma(q, d[v], o[v]) : Lanes::mul(q, d[v]);
+          }
           for (int64_t i = 0; i < rows; ++i) {
-            part[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k]), lo, part[i][v]);
-            if (pair) part[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k + 1]), hi, part[i][v]);
+            V xv = Lanes::broadcast(x[i * ld_x + k]);
+            for (int64_t v = 0; v < kTileVecs; ++v) acc[i][v] = Lanes::fma(xv, wv[v], acc[i][v]);
           }
         }
-      }
-      for (int64_t i = 0; i < rows; ++i) {
-        const V x_sum = Lanes::broadcast(x_sums[i * groups + g]);
-        for (int64_t v = 0; v < kPanelVecs; ++v)
-          acc[i][v] = Lanes::fma(x_sum, o[v], Lanes::fma(part[i][v], d[v], acc[i][v]));
+      } else {
+        const uint8_t* w = static_cast<const uint8_t*>(w_in);
+        V part[rows][kTileVecs];
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t v = 0; v < kTileVecs; ++v) part[i][v] = Lanes::zero();
+        for (int64_t k = k0; k < k1; k += 2) {
+          const bool pair = k + 1 < k1;  // false only for an odd k_len's last k (its high nibble is padding)
+          for (int64_t v = 0; v < kTileVecs; ++v) {
+            V lo, hi;
+            Lanes::load_nibbles(w + (k / 2) * kPanel + c0 + v * Lanes::size, &lo, &hi);
+            for (int64_t i = 0; i < rows; ++i) {
+              part[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k]), lo, part[i][v]);
+              if (pair) part[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k + 1]), hi, part[i][v]);
+            }
+          }
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+          const V x_sum = Lanes::broadcast(x_sums[i * groups + g]);
+          for (int64_t v = 0; v < kTileVecs; ++v)
+            acc[i][v] = Lanes::fma(x_sum, o[v], Lanes::fma(part[i][v], d[v], acc[i][v]));
+        }
       }
     }
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t v = 0; v < kTileVecs; ++v) Lanes::store(y + i * ld_y + c0 + v * Lanes::size, acc[i][v]);
   }
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t v = 0; v < kPanelVecs; ++v) Lanes::store(y + i * ld_y + v * Lanes::size, acc[i][v]);
 }
 
 // Group-wise panels: weight [P, K (int8) or ceil(K / 2) (int4), kPanel], scale / offset [P, G, kPanel].
@@ -463,12 +485,12 @@ void grouped_panel(const PanelJob& job, const float* x, int64_t m, int64_t k_len
   const void* wp = static_cast<const int8_t*>(job.w) + panel * panel_k * kPanel;
   const float* sp = job.scale + panel * job.groups * kPanel;
   const float* op = job.offset ? job.offset + panel * job.groups * kPanel : nullptr;
-  panel_rows(m, std::min(kPanel, job.n - col), job.y + col, job.n,
-             [&](auto rows, int64_t i, float* out, int64_t ld_out) {
-               grouped_tile<decltype(rows)::value, nibbles>(x + i * k_len, k_len, wp, k_len, job.group_size, sp, op,
-                                                            nibbles ? job.x_sums + i * job.groups : nullptr,
-                                                            job.groups, out, ld_out);
-             });
+  panel_rows<(nibbles ? kGroupedInt4Tile : kGroupedInt8Tile).rows>(
+      m, std::min(kPanel, job.n - col), job.y + col, job.n, [&](auto rows, int64_t i, float* out, int64_t ld_out) {
+        grouped_tile<decltype(rows)::value, nibbles>(x + i * k_len, k_len, wp, k_len, job.group_size, sp, op,
+                                                     nibbles ? job.x_sums + i * job.groups : nullptr, job.groups, out,
+                                                     ld_out);
+      });
 }
 
 // int8 activations (lightgen.linear_int8_dynamic): each row's group of group_size k (the weight's groups) is
