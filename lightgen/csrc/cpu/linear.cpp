@@ -630,69 +630,67 @@ void dot_tile_portable(const DotPanel& p, float* y, int64_t ld_y) {
 //     saturation), and the sum is sum a q itself (a = the stored a + 128, xor 0x80), without the group sums.
 //   int4: u is the unsigned operand and a the signed one; a pair is at most 2 * 15 * 127, so the products of up to
 //     4 lanes (8 vpmaddubsw) add up in int16 before one vpmaddwd.
-// Half a panel (4 vectors of 8 columns) at a time: 2 rows' 8 int32 accumulators, the weights and the broadcasts
-// fit the 16 registers; the float accumulators wait in L1 between groups.
+// 2 rows x the whole panel (8 vectors of 8 columns), some accumulators spilled to L1: measured (SmolLM2's step
+// shapes, 1 thread, interleaved; ms int8 / int4 at 1 and 8 rows) 22.9 / 14.8 and 50.9 / 44.5, against half a
+// panel (in registers) 34.2 / 22.2 and 61.1 / 45.4: a half reads 128 of each lane's 256 bytes, two strided streams.
 template <int64_t rows, bool nibbles>
 __attribute__((target("avx2,fma"))) void dot_tile_avx2(const DotPanel& p, float* y, int64_t ld_y) {
-  constexpr int64_t per_lane = lane_k(nibbles), vecs = 4, lanes_in_int16 = nibbles ? 4 : 1;
+  constexpr int64_t per_lane = lane_k(nibbles), vecs = kPanel / 8, lanes_in_int16 = nibbles ? 4 : 1;
   const __m256i ones = _mm256_set1_epi16(1), low_nibbles = _mm256_set1_epi8(15);
-  for (int64_t half = 0; half < kPanel / (vecs * 8); ++half) {
-    const int64_t c0 = half * vecs * 8;
-    __m256 acc[rows][vecs];
+  __m256 acc[rows][vecs];
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t v = 0; v < vecs; ++v) acc[i][v] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m256i dot[rows][vecs];
     for (int64_t i = 0; i < rows; ++i)
-      for (int64_t v = 0; v < vecs; ++v) acc[i][v] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < p.groups; ++g) {
-      __m256i dot[rows][vecs];
+      for (int64_t v = 0; v < vecs; ++v) dot[i][v] = _mm256_setzero_si256();
+    for (int64_t lane = g * p.group_lanes, end = p.lane_end(g); lane < end; lane += lanes_in_int16) {
+      __m256i part[rows][vecs];
       for (int64_t i = 0; i < rows; ++i)
-        for (int64_t v = 0; v < vecs; ++v) dot[i][v] = _mm256_setzero_si256();
-      for (int64_t lane = g * p.group_lanes, end = p.lane_end(g); lane < end; lane += lanes_in_int16) {
-        __m256i part[rows][vecs];
+        for (int64_t v = 0; v < vecs; ++v) part[i][v] = _mm256_setzero_si256();
+      for (int64_t l = lane, stop = std::min(end, lane + lanes_in_int16); l < stop; ++l) {
+        __m256i a[rows][per_lane / 4];
         for (int64_t i = 0; i < rows; ++i)
-          for (int64_t v = 0; v < vecs; ++v) part[i][v] = _mm256_setzero_si256();
-        for (int64_t l = lane, stop = std::min(end, lane + lanes_in_int16); l < stop; ++l) {
-          __m256i a[rows][per_lane / 4];
-          for (int64_t i = 0; i < rows; ++i)
-            for (int64_t h = 0; h < per_lane / 4; ++h) {
-              int32_t four;
-              std::memcpy(&four, p.q + i * p.lanes * per_lane + l * per_lane + h * 4, 4);
-              a[i][h] = _mm256_set1_epi32(nibbles ? four : four ^ static_cast<int32_t>(0x80808080u));
-            }
-          for (int64_t v = 0; v < vecs; ++v) {
-            const __m256i raw =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.w + (l * kPanel + c0 + v * 8) * 4));
-            if constexpr (nibbles) {
-              const __m256i lo = _mm256_and_si256(raw, low_nibbles);
-              const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
-              for (int64_t i = 0; i < rows; ++i)
-                part[i][v] = _mm256_add_epi16(
-                    part[i][v], _mm256_add_epi16(_mm256_maddubs_epi16(lo, a[i][0]), _mm256_maddubs_epi16(hi, a[i][1])));
-            } else {
-              const __m256i magnitude = _mm256_abs_epi8(raw);
-              for (int64_t i = 0; i < rows; ++i)
-                part[i][v] = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(a[i][0], raw));
-            }
+          for (int64_t h = 0; h < per_lane / 4; ++h) {
+            int32_t four;
+            std::memcpy(&four, p.q + i * p.lanes * per_lane + l * per_lane + h * 4, 4);
+            a[i][h] = _mm256_set1_epi32(nibbles ? four : four ^ static_cast<int32_t>(0x80808080u));
+          }
+        for (int64_t v = 0; v < vecs; ++v) {
+          const __m256i raw =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.w + (l * kPanel + v * 8) * 4));
+          if constexpr (nibbles) {
+            const __m256i lo = _mm256_and_si256(raw, low_nibbles);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
+            for (int64_t i = 0; i < rows; ++i)
+              part[i][v] = _mm256_add_epi16(
+                  part[i][v], _mm256_add_epi16(_mm256_maddubs_epi16(lo, a[i][0]), _mm256_maddubs_epi16(hi, a[i][1])));
+          } else {
+            const __m256i magnitude = _mm256_abs_epi8(raw);
+            for (int64_t i = 0; i < rows; ++i)
+              part[i][v] = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(a[i][0], raw));
           }
         }
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t v = 0; v < vecs; ++v)
-            dot[i][v] = _mm256_add_epi32(dot[i][v], _mm256_madd_epi16(part[i][v], ones));
       }
-      for (int64_t v = 0; v < vecs; ++v) {
-        const __m256 d = _mm256_loadu_ps(p.scale + g * kPanel + c0 + v * 8);
-        for (int64_t i = 0; i < rows; ++i) {
-          const __m256 dt = _mm256_mul_ps(d, _mm256_set1_ps(p.step[i * p.groups + g]));
-          acc[i][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][v]), dt, acc[i][v]);
-        }
-        if (p.offset) {
-          const __m256 o = _mm256_loadu_ps(p.offset + g * kPanel + c0 + v * 8);
-          for (int64_t i = 0; i < rows; ++i)
-            acc[i][v] = _mm256_fmadd_ps(o, _mm256_set1_ps(p.sum[i * p.groups + g]), acc[i][v]);
-        }
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t v = 0; v < vecs; ++v)
+          dot[i][v] = _mm256_add_epi32(dot[i][v], _mm256_madd_epi16(part[i][v], ones));
+    }
+    for (int64_t v = 0; v < vecs; ++v) {
+      const __m256 d = _mm256_loadu_ps(p.scale + g * kPanel + v * 8);
+      for (int64_t i = 0; i < rows; ++i) {
+        const __m256 dt = _mm256_mul_ps(d, _mm256_set1_ps(p.step[i * p.groups + g]));
+        acc[i][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][v]), dt, acc[i][v]);
+      }
+      if (p.offset) {
+        const __m256 o = _mm256_loadu_ps(p.offset + g * kPanel + v * 8);
+        for (int64_t i = 0; i < rows; ++i)
+          acc[i][v] = _mm256_fmadd_ps(o, _mm256_set1_ps(p.sum[i * p.groups + g]), acc[i][v]);
       }
     }
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t v = 0; v < vecs; ++v) _mm256_storeu_ps(y + i * ld_y + c0 + v * 8, acc[i][v]);
   }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t v = 0; v < vecs; ++v) _mm256_storeu_ps(y + i * ld_y + v * 8, acc[i][v]);
 }
 #endif
 
