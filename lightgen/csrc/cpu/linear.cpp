@@ -411,70 +411,81 @@ void run_panels(const float* x, int64_t m, int64_t k_len, const PanelJob* given,
 //   int4 (nibbles): w = u * scale[g] + offset[g]          (u in 0..15; no offset: symmetric, offset = -8 scale)
 // int8 widens and scales each k row in registers once for all rows of the tile. int4 sums a group's products on
 // the nibbles, sum_k x u, and scales once at the group's end: y += scale[g] * sum x u + offset[g] * sum x, one
-// multiply-add a weight instead of two, which its widening left the bound at few rows (SmolLM2 decode step, 1
-// thread, loaded, A/B in turn: int4 B=1 10.3-12.5 -> 8.2-8.7 ms, B=8 31.5-32.3 -> 34.5-34.7; 2 threads, quiet,
+// multiply-add a weight instead of two, which its widening left the bound at few rows (AVX-512, SmolLM2 decode
+// step, 1 thread, loaded, A/B in turn: int4 B=1 10.3-12.5 -> 8.2-8.7 ms, B=8 31.5-32.3 -> 34.5-34.7; 2 threads, quiet,
 // benchmarks/vs_llama_cpp.py: B=1 9.2-9.7 -> 8.2-9.0, B=8 30.3-32.2 -> 32.1-33.7; int8 the same way gained nothing
 // at B=1 and lost at B=8; two-row tiles for int4 lost more at B=8). Each row's arithmetic is the same in any tile,
 // so a row's outputs do not depend on the batch.
 // int4 stores k = 2p in the low and k = 2p + 1 in the high nibble of byte row p; group_size is even.
-template <int64_t rows, bool nibbles>
-inline void grouped_tile(const float* x, int64_t ld_x, const void* w_in, int64_t k_len, int64_t group_size,
-                         const float* scale, const float* offset, const float* x_sums, int64_t groups, float* y,
-                         int64_t ld_y) {
-  constexpr int64_t kTileVecs = (nibbles ? kGroupedInt4Tile : kGroupedInt8Tile).vecs;
-  constexpr int64_t kTileCols = kTileVecs * Lanes::size;
+template <int64_t rows>
+inline void grouped_tile(const float* x, int64_t ld_x, const int8_t* w, int64_t k_len, int64_t group_size,
+                         const float* scale, const float* offset, float* y, int64_t ld_y) {
+  constexpr int64_t kTileVecs = kGroupedInt8Tile.vecs, kTileCols = kTileVecs * Lanes::size;
   for (int64_t c0 = 0; c0 < kPanel; c0 += kTileCols) {
     V acc[rows][kTileVecs];
     for (int64_t i = 0; i < rows; ++i)
       for (int64_t v = 0; v < kTileVecs; ++v) acc[i][v] = Lanes::zero();
     for (int64_t k0 = 0, g = 0; k0 < k_len; k0 += group_size, ++g) {
-      const int64_t k1 = std::min(k_len, k0 + group_size);
       V d[kTileVecs], o[kTileVecs];
       for (int64_t v = 0; v < kTileVecs; ++v) {
         d[v] = Lanes::load(scale + g * kPanel + c0 + v * Lanes::size);
-        if (offset)
-          o[v] = Lanes::load(offset + g * kPanel + c0 + v * Lanes::size);
-        else if constexpr (nibbles)
-          o[v] = Lanes::mul(d[v], Lanes::broadcast(-8.f));
+        if (offset) o[v] = Lanes::load(offset + g * kPanel + c0 + v * Lanes::size);
       }
-      if constexpr (!nibbles) {
-        const int8_t* w = static_cast<const int8_t*>(w_in);
-        for (int64_t k = k0; k < k1; ++k) {
-          V wv[kTileVecs];
-          for (int64_t v = 0; v < kTileVecs; ++v) {
-            const V q = Lanes::load(w + k * kPanel + c0 + v * Lanes::size);
-            wv[v] = offset ? Lanes::fma(q, d[v], o[v]) : Lanes::mul(q, d[v]);
-          }
-          for (int64_t i = 0; i < rows; ++i) {
-            V xv = Lanes::broadcast(x[i * ld_x + k]);
-            for (int64_t v = 0; v < kTileVecs; ++v) acc[i][v] = Lanes::fma(xv, wv[v], acc[i][v]);
-          }
-        }
-      } else {
-        const uint8_t* w = static_cast<const uint8_t*>(w_in);
-        V part[rows][kTileVecs];
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t v = 0; v < kTileVecs; ++v) part[i][v] = Lanes::zero();
-        for (int64_t k = k0; k < k1; k += 2) {
-          const bool pair = k + 1 < k1;  // false only for an odd k_len's last k (its high nibble is padding)
-          for (int64_t v = 0; v < kTileVecs; ++v) {
-            V lo, hi;
-            Lanes::load_nibbles(w + (k / 2) * kPanel + c0 + v * Lanes::size, &lo, &hi);
-            for (int64_t i = 0; i < rows; ++i) {
-              part[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k]), lo, part[i][v]);
-              if (pair) part[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k + 1]), hi, part[i][v]);
-            }
-          }
+      for (int64_t k = k0, k1 = std::min(k_len, k0 + group_size); k < k1; ++k) {
+        V wv[kTileVecs];
+        for (int64_t v = 0; v < kTileVecs; ++v) {
+          const V q = Lanes::load(w + k * kPanel + c0 + v * Lanes::size);
+          wv[v] = offset ? Lanes::fma(q, d[v], o[v]) : Lanes::mul(q, d[v]);
         }
         for (int64_t i = 0; i < rows; ++i) {
-          const V x_sum = Lanes::broadcast(x_sums[i * groups + g]);
-          for (int64_t v = 0; v < kTileVecs; ++v)
-            acc[i][v] = Lanes::fma(x_sum, o[v], Lanes::fma(part[i][v], d[v], acc[i][v]));
+          V xv = Lanes::broadcast(x[i * ld_x + k]);
+          for (int64_t v = 0; v < kTileVecs; ++v) acc[i][v] = Lanes::fma(xv, wv[v], acc[i][v]);
         }
       }
     }
     for (int64_t i = 0; i < rows; ++i)
       for (int64_t v = 0; v < kTileVecs; ++v) Lanes::store(y + i * ld_y + c0 + v * Lanes::size, acc[i][v]);
+  }
+}
+
+// int4: the running sums live in y (L1) instead of registers, which then hold the group's partial sums alone (with
+// both in registers the compiler spilled the widened weights in the inner loop; AVX2, SmolLM2's step shapes, 1
+// thread, interleaved: 1 / 2 / 8 rows 13.7 / 12.9 / 36.4 -> 12.7 / 11.5 / 35.3 ms).
+template <int64_t rows>
+inline void grouped_tile_nibbles(const float* x, int64_t ld_x, const uint8_t* w, int64_t k_len,
+                                 int64_t group_size, const float* scale, const float* offset, const float* x_sums,
+                                 int64_t groups, float* y, int64_t ld_y) {
+  constexpr int64_t kTileVecs = kGroupedInt4Tile.vecs, kTileCols = kTileVecs * Lanes::size;
+  for (int64_t c0 = 0; c0 < kPanel; c0 += kTileCols) {
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t v = 0; v < kTileVecs; ++v) Lanes::store(y + i * ld_y + c0 + v * Lanes::size, Lanes::zero());
+    for (int64_t k0 = 0, g = 0; k0 < k_len; k0 += group_size, ++g) {
+      const int64_t k1 = std::min(k_len, k0 + group_size);
+      V part[rows][kTileVecs];
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t v = 0; v < kTileVecs; ++v) part[i][v] = Lanes::zero();
+      for (int64_t k = k0; k < k1; k += 2) {
+        const bool pair = k + 1 < k1;  // false only for an odd k_len's last k (its high nibble is padding)
+        for (int64_t v = 0; v < kTileVecs; ++v) {
+          V lo, hi;
+          Lanes::load_nibbles(w + (k / 2) * kPanel + c0 + v * Lanes::size, &lo, &hi);
+          for (int64_t i = 0; i < rows; ++i) {
+            part[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k]), lo, part[i][v]);
+            if (pair) part[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k + 1]), hi, part[i][v]);
+          }
+        }
+      }
+      for (int64_t v = 0; v < kTileVecs; ++v) {
+        const V d = Lanes::load(scale + g * kPanel + c0 + v * Lanes::size);
+        const V o = offset ? Lanes::load(offset + g * kPanel + c0 + v * Lanes::size)
+                           : Lanes::mul(d, Lanes::broadcast(-8.f));
+        for (int64_t i = 0; i < rows; ++i) {
+          float* out = y + i * ld_y + c0 + v * Lanes::size;
+          const V x_sum = Lanes::broadcast(x_sums[i * groups + g]);
+          Lanes::store(out, Lanes::fma(x_sum, o, Lanes::fma(part[i][v], d, Lanes::load(out))));
+        }
+      }
+    }
   }
 }
 
@@ -487,9 +498,13 @@ void grouped_panel(const PanelJob& job, const float* x, int64_t m, int64_t k_len
   const float* op = job.offset ? job.offset + panel * job.groups * kPanel : nullptr;
   panel_rows<(nibbles ? kGroupedInt4Tile : kGroupedInt8Tile).rows>(
       m, std::min(kPanel, job.n - col), job.y + col, job.n, [&](auto rows, int64_t i, float* out, int64_t ld_out) {
-        grouped_tile<decltype(rows)::value, nibbles>(x + i * k_len, k_len, wp, k_len, job.group_size, sp, op,
-                                                     nibbles ? job.x_sums + i * job.groups : nullptr, job.groups, out,
-                                                     ld_out);
+        constexpr int64_t r = decltype(rows)::value;
+        if constexpr (nibbles)
+          grouped_tile_nibbles<r>(x + i * k_len, k_len, static_cast<const uint8_t*>(wp), k_len, job.group_size, sp, op,
+                                  job.x_sums + i * job.groups, job.groups, out, ld_out);
+        else
+          grouped_tile<r>(x + i * k_len, k_len, static_cast<const int8_t*>(wp), k_len, job.group_size, sp, op, out,
+                          ld_out);
       });
 }
 
