@@ -640,6 +640,45 @@ void dot_tile_portable(const DotPanel& p, float* y, int64_t ld_y) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// A SIMD dot kernel's group end, in dot_tile_portable's order: acc += float(dot) * (scale * step), then
+// + offset * sum (with zero points). Over 8 (AVX2) or 16 (AVX-512) columns a vector.
+struct Avx2Floats {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr int64_t size = 8;
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+};
+#if defined(CPU_CAPABILITY_AVX512)
+struct Avx512Floats {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr int64_t size = 16;
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+};
+#endif
+
+template <typename L, int64_t rows, int64_t vecs>
+inline void add_group(const DotPanel& p, int64_t g, const typename L::I (&dot)[rows][vecs],
+                      typename L::F (&acc)[rows][vecs]) {
+  for (int64_t v = 0; v < vecs; ++v) {
+    const typename L::F d = L::load(p.scale + g * kPanel + v * L::size);
+    for (int64_t i = 0; i < rows; ++i)
+      acc[i][v] = L::fma(L::to_float(dot[i][v]), L::mul(d, L::set1(p.step[i * p.groups + g])), acc[i][v]);
+    if (p.offset) {
+      const typename L::F o = L::load(p.offset + g * kPanel + v * L::size);
+      for (int64_t i = 0; i < rows; ++i) acc[i][v] = L::fma(o, L::set1(p.sum[i * p.groups + g]), acc[i][v]);
+    }
+  }
+}
+
 // AVX2 (any CPU of the AVX2 and AVX-512 builds): vpmaddubsw multiplies unsigned by signed bytes into int16 pairs,
 // vpmaddwd sums int16 pairs into int32 lanes, so a lane's 4 k (int4: 8) come out as one column's integer dot
 // product, the same integers as the other kernels, and the same float rounding after.
@@ -693,18 +732,7 @@ __attribute__((target("avx2,fma"))) void dot_tile_avx2(const DotPanel& p, float*
         for (int64_t v = 0; v < vecs; ++v)
           dot[i][v] = _mm256_add_epi32(dot[i][v], _mm256_madd_epi16(part[i][v], ones));
     }
-    for (int64_t v = 0; v < vecs; ++v) {
-      const __m256 d = _mm256_loadu_ps(p.scale + g * kPanel + v * 8);
-      for (int64_t i = 0; i < rows; ++i) {
-        const __m256 dt = _mm256_mul_ps(d, _mm256_set1_ps(p.step[i * p.groups + g]));
-        acc[i][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][v]), dt, acc[i][v]);
-      }
-      if (p.offset) {
-        const __m256 o = _mm256_loadu_ps(p.offset + g * kPanel + v * 8);
-        for (int64_t i = 0; i < rows; ++i)
-          acc[i][v] = _mm256_fmadd_ps(o, _mm256_set1_ps(p.sum[i * p.groups + g]), acc[i][v]);
-      }
-    }
+    add_group<Avx2Floats>(p, g, dot, acc);
   }
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t v = 0; v < vecs; ++v) _mm256_storeu_ps(y + i * ld_y + v * 8, acc[i][v]);
@@ -753,18 +781,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void dot_tile_vnni(const 
         }
       }
     }
-    for (int64_t v = 0; v < 4; ++v) {
-      const __m512 d = _mm512_loadu_ps(p.scale + g * kPanel + v * 16);
-      for (int64_t i = 0; i < rows; ++i) {
-        const __m512 dt = _mm512_mul_ps(d, _mm512_set1_ps(p.step[i * p.groups + g]));
-        acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][v]), dt, acc[i][v]);
-      }
-      if (p.offset) {
-        const __m512 o = _mm512_loadu_ps(p.offset + g * kPanel + v * 16);
-        for (int64_t i = 0; i < rows; ++i)
-          acc[i][v] = _mm512_fmadd_ps(o, _mm512_set1_ps(p.sum[i * p.groups + g]), acc[i][v]);
-      }
-    }
+    add_group<Avx512Floats>(p, g, dot, acc);
   }
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t v = 0; v < 4; ++v) _mm512_storeu_ps(y + i * ld_y + v * 16, acc[i][v]);
