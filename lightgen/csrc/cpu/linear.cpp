@@ -640,8 +640,7 @@ void dot_tile_portable(const DotPanel& p, float* y, int64_t ld_y) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// A SIMD dot kernel's group end, in dot_tile_portable's order: acc += float(dot) * (scale * step), then
-// + offset * sum (with zero points). Over 8 (AVX2) or 16 (AVX-512) columns a vector.
+// The float intrinsics add_group needs, over 8 (AVX2) or 16 (AVX-512) columns a vector.
 struct Avx2Floats {
   using F = __m256;
   using I = __m256i;
@@ -665,6 +664,8 @@ struct Avx512Floats {
 };
 #endif
 
+// A SIMD dot kernel's group end, in dot_tile_portable's order: acc += float(dot) * (scale * step), then
+// + offset * sum (with zero points).
 template <typename L, int64_t rows, int64_t vecs>
 inline void add_group(const DotPanel& p, int64_t g, const typename L::I (&dot)[rows][vecs],
                       typename L::F (&acc)[rows][vecs]) {
