@@ -232,6 +232,12 @@ constexpr TileShape tile_shape(TileShape avx512, TileShape avx2) {
 constexpr TileShape kPackedTile = tile_shape({4, 4}, {2, 8});
 constexpr TileShape kGroupedInt8Tile = tile_shape({4, 4}, {3, 4});
 constexpr TileShape kGroupedInt4Tile = tile_shape({4, 4}, {2, 8});
+// On AVX2 int8 takes int4's form too: y += scale[g] * sum x q (+ offset[g] * sum x), one multiply-add a weight
+// instead of two, and no scales or offsets held in registers through the group (with them the compiler spilled);
+// AVX2, SmolLM2's step shapes, 1 thread, interleaved, ms at 1 / 2 / 3 / 8 rows, symmetric: 14.8 / 22.2 / 26.4 / 55.2
+// -> 13.0 / 18.1 / 22.2 / 43.2, zero points: 18.6 / 22.9 / 26.0 / 59.1 -> 16.0 / 19.0 / 22.3 / 46.1 (AVX-512 keeps
+// grouped_tile: this form gained nothing there at B=1 and lost at B=8, see grouped_tile).
+constexpr bool kInt8GroupSums = Lanes::size == 8;
 
 template <int64_t rows, typename W>
 inline void panel_tile(const float* x, int64_t ld_x, const W* w, int64_t ld_w, int64_t k_len, float* y,
@@ -324,7 +330,7 @@ struct PanelJob {
   int64_t n = 0, group_size = 0, groups = 0;
   const float* scale = nullptr;  // packed: per column, in the epilogue; group-wise: [P, G, kPanel]
   const float* offset = nullptr;  // group-wise with zero points: [P, G, kPanel]
-  const float* x_sums = nullptr;  // int4: each row's sum of x per group [M, G] (run_panels makes them, once a call)
+  const float* x_sums = nullptr;  // group sums: each row's sum of x per group [M, G] (run_panels, once a call)
   const QuantizedRows* rows = nullptr;  // int8 activations: x rounded (w in the dot layout, grouped)
   const int32_t* sums = nullptr;  // their int8 weights' group sums [P, G, kPanel]
   DotKernel kernel = DotKernel::kPortable;  // theirs (dot_kernel, asked once a call)
@@ -369,13 +375,13 @@ void PanelJob::run_panel(const float* x, int64_t m, int64_t k_len, int64_t panel
 // The panels of every job (all of one input x [m, K]) in one parallel loop, each thread's run of panels followed
 // by its columns' epilogue. A panel's result does not depend on which thread or call computes it.
 void run_panels(const float* x, int64_t m, int64_t k_len, const PanelJob* given, int64_t count) {
-  // int4's group sums of x, the same for every panel: once a call per group size, not once a panel.
+  // The group sums of x (grouped_tile_sums), the same for every panel: once a call per group size, not a panel.
   std::vector<PanelJob> jobs(given, given + count);
   std::vector<std::vector<float>> x_sums;
   std::vector<int64_t> summed_sizes;
   x_sums.reserve(count);
   for (PanelJob& job : jobs) {
-    if (!job.grouped || !job.nibbles) continue;
+    if (!job.grouped || !(job.nibbles || (kInt8GroupSums && job.offset))) continue;
     auto same = std::find(summed_sizes.begin(), summed_sizes.end(), job.group_size);
     if (same == summed_sizes.end()) {
       std::vector<float> sums(m * job.groups);
@@ -450,14 +456,25 @@ inline void grouped_tile(const float* x, int64_t ld_x, const int8_t* w, int64_t 
   }
 }
 
-// int4: the running sums live in y (L1) instead of registers, which then hold the group's partial sums alone (with
-// both in registers the compiler spilled the widened weights in the inner loop; AVX2, SmolLM2's step shapes, 1
-// thread, interleaved: 1 / 2 / 8 rows 13.7 / 12.9 / 36.4 -> 12.7 / 11.5 / 35.3 ms).
-template <int64_t rows>
-inline void grouped_tile_nibbles(const float* x, int64_t ld_x, const uint8_t* w, int64_t k_len,
-                                 int64_t group_size, const float* scale, const float* offset, const float* x_sums,
-                                 int64_t groups, float* y, int64_t ld_y) {
-  constexpr int64_t kTileVecs = kGroupedInt4Tile.vecs, kTileCols = kTileVecs * Lanes::size;
+
+// Vectors of a group-sum tile: int8 takes the whole panel below a full tile of rows (one stream; 3 x 4 at 2 rows
+// lost 15%), int4 its tile's.
+template <int64_t rows, bool nibbles>
+constexpr int64_t group_sum_vecs() {
+  if constexpr (nibbles) return kGroupedInt4Tile.vecs;
+  return rows < kGroupedInt8Tile.rows ? kPanelVecs : kGroupedInt8Tile.vecs;
+}
+
+// The group-sum form: each group's sums sum_k x w on the raw integers, scaled once at the group's end; the running
+// sums live in y (L1) instead of registers, which then hold the group's partial sums alone (with both in registers
+// the compiler spilled the widened weights in the inner loop; int4, AVX2, SmolLM2's step shapes, 1 thread,
+// interleaved: 1 / 2 / 8 rows 13.7 / 12.9 / 36.4 -> 12.7 / 11.5 / 35.3 ms). ``x_sums``: each row's group sums of x
+// (read for int4 and for int8 with zero points only).
+template <int64_t rows, bool nibbles>
+inline void grouped_tile_sums(const float* x, int64_t ld_x, const uint8_t* w, int64_t k_len, int64_t group_size,
+                              const float* scale, const float* offset, const float* x_sums, int64_t groups, float* y,
+                              int64_t ld_y) {
+  constexpr int64_t kTileVecs = group_sum_vecs<rows, nibbles>(), kTileCols = kTileVecs * Lanes::size;
   for (int64_t c0 = 0; c0 < kPanel; c0 += kTileCols) {
     for (int64_t i = 0; i < rows; ++i)
       for (int64_t v = 0; v < kTileVecs; ++v) Lanes::store(y + i * ld_y + c0 + v * Lanes::size, Lanes::zero());
@@ -466,25 +483,36 @@ inline void grouped_tile_nibbles(const float* x, int64_t ld_x, const uint8_t* w,
       V part[rows][kTileVecs];
       for (int64_t i = 0; i < rows; ++i)
         for (int64_t v = 0; v < kTileVecs; ++v) part[i][v] = Lanes::zero();
-      for (int64_t k = k0; k < k1; k += 2) {
-        const bool pair = k + 1 < k1;  // false only for an odd k_len's last k (its high nibble is padding)
-        for (int64_t v = 0; v < kTileVecs; ++v) {
-          V lo, hi;
-          Lanes::load_nibbles(w + (k / 2) * kPanel + c0 + v * Lanes::size, &lo, &hi);
-          for (int64_t i = 0; i < rows; ++i) {
-            part[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k]), lo, part[i][v]);
-            if (pair) part[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k + 1]), hi, part[i][v]);
+      if constexpr (nibbles) {
+        for (int64_t k = k0; k < k1; k += 2) {
+          const bool pair = k + 1 < k1;  // false only for an odd k_len's last k (its high nibble is padding)
+          for (int64_t v = 0; v < kTileVecs; ++v) {
+            V lo, hi;
+            Lanes::load_nibbles(w + (k / 2) * kPanel + c0 + v * Lanes::size, &lo, &hi);
+            for (int64_t i = 0; i < rows; ++i) {
+              part[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k]), lo, part[i][v]);
+              if (pair) part[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k + 1]), hi, part[i][v]);
+            }
           }
         }
+      } else {
+        const int8_t* q = reinterpret_cast<const int8_t*>(w);
+        for (int64_t k = k0; k < k1; ++k)
+          for (int64_t v = 0; v < kTileVecs; ++v) {
+            const V wv = Lanes::load(q + k * kPanel + c0 + v * Lanes::size);
+            for (int64_t i = 0; i < rows; ++i) part[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k]), wv, part[i][v]);
+          }
       }
+      // int4 without zero points is centred by -8 steps; symmetric int8 has no offset.
+      const bool shifted = nibbles || offset;
       for (int64_t v = 0; v < kTileVecs; ++v) {
         const V d = Lanes::load(scale + g * kPanel + c0 + v * Lanes::size);
         const V o = offset ? Lanes::load(offset + g * kPanel + c0 + v * Lanes::size)
                            : Lanes::mul(d, Lanes::broadcast(-8.f));
         for (int64_t i = 0; i < rows; ++i) {
           float* out = y + i * ld_y + c0 + v * Lanes::size;
-          const V x_sum = Lanes::broadcast(x_sums[i * groups + g]);
-          Lanes::store(out, Lanes::fma(x_sum, o, Lanes::fma(part[i][v], d, Lanes::load(out))));
+          const V scaled = Lanes::fma(part[i][v], d, Lanes::load(out));
+          Lanes::store(out, shifted ? Lanes::fma(Lanes::broadcast(x_sums[i * groups + g]), o, scaled) : scaled);
         }
       }
     }
@@ -501,9 +529,10 @@ void grouped_panel(const PanelJob& job, const float* x, int64_t m, int64_t k_len
   panel_rows<(nibbles ? kGroupedInt4Tile : kGroupedInt8Tile).rows>(
       m, std::min(kPanel, job.n - col), job.y + col, job.n, [&](auto rows, int64_t i, float* out, int64_t ld_out) {
         constexpr int64_t r = decltype(rows)::value;
-        if constexpr (nibbles)
-          grouped_tile_nibbles<r>(x + i * k_len, k_len, static_cast<const uint8_t*>(wp), k_len, job.group_size, sp, op,
-                                  job.x_sums + i * job.groups, job.groups, out, ld_out);
+        if constexpr (nibbles || kInt8GroupSums)
+          grouped_tile_sums<r, nibbles>(x + i * k_len, k_len, static_cast<const uint8_t*>(wp), k_len, job.group_size,
+                                        sp, op, job.x_sums ? job.x_sums + i * job.groups : nullptr, job.groups, out,
+                                        ld_out);
         else
           grouped_tile<r>(x + i * k_len, k_len, static_cast<const int8_t*>(wp), k_len, job.group_size, sp, op, out,
                           ld_out);
