@@ -234,9 +234,10 @@ constexpr TileShape kGroupedInt8Tile = tile_shape({4, 4}, {3, 4});
 constexpr TileShape kGroupedInt4Tile = tile_shape({4, 4}, {2, 8});
 // On AVX2 int8 takes int4's form too: y += scale[g] * sum x q (+ offset[g] * sum x), one multiply-add a weight
 // instead of two, and no scales or offsets held in registers through the group (with them the compiler spilled);
-// AVX2, SmolLM2's step shapes, 1 thread, interleaved, ms at 1 / 2 / 3 / 8 rows, symmetric: 14.8 / 22.2 / 26.4 / 55.2
-// -> 13.0 / 18.1 / 22.2 / 43.2, zero points: 18.6 / 22.9 / 26.0 / 59.1 -> 16.0 / 19.0 / 22.3 / 46.1 (AVX-512 keeps
-// grouped_tile: this form gained nothing there at B=1 and lost at B=8, see grouped_tile).
+// AVX2, SmolLM2's step shapes, 1 thread, interleaved, ms at 1 / 2 / 3 / 8 rows, symmetric: 18.5 / 24.5 / 30.4 / 62.1
+// -> 17.1 / 20.1 / 26.5 / 46.9, zero points: 23.5 / 27.1 / 30.3 / 61.7 -> 20.5 / 21.2 / 26.6 / 46.6 (a run beside
+// the test suite: 8-14% / 17-18% / 14-16% / 22% faster). int4 keeps its 2 x 8: 3 x 4 lost 11-27% at 3-8 rows.
+// AVX-512 keeps grouped_tile: this form gained nothing there at B=1 and lost at B=8 (see grouped_tile).
 constexpr bool kInt8GroupSums = Lanes::size == 8;
 
 template <int64_t rows, typename W>
