@@ -222,7 +222,9 @@ constexpr int64_t kPanelVecs = kPanel / Lanes::size;
 // 80.3 against 1 x 8's 41.6 / 59.4 / 55.7 / 85.9 and 3 x 4's 42.3 / 85.3 / 80.2 / 103: half panels split fp32's
 // stream into strided ones); group-wise int8 3 x 4 (18.0 / 25.9 / 28.8 / 62.9 against 1 x 8's 18.3 / 31.8 / 39.8 /
 // 103: its k rows are one cache line); int4 2 x 8 (13.3 / 13.8 / 18.6 / 44.1 against 3 x 4's 13.3 / 18.6 / 23.8 /
-// 61.4). Scalar: 1 x 64.
+// 61.4). Scalar: 1 x 64. fp32 at more rows costs about memory time plus compute time; k-blocked tiles that keep
+// 16-128 k of the panel in L1 for every row tile (2 x 8, 3 x 4, 4 x 2, 2 x 4; with and without prefetching the next
+// block) were no faster at 3-16 rows (8 rows: 70.4 whole-panel 2 x 8 against 71.9-112).
 struct TileShape {
   int64_t rows, vecs;
 };
