@@ -66,7 +66,8 @@ class Provider:
             decoder.step(self.state, prompt[:, :-1])
         if compiled:  # after the prompt pass, which would compile for its own shape
             # Dynamo specializes on the layer index (the cache's list lookups): one graph per layer, not 8.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(decoder.spec.layers))
+            config = torch._dynamo.config
+            config.recompile_limit = max(config.recompile_limit, 4 * len(decoder.spec.layers))
             self.layers = torch.compile(decoder._layers, dynamic=False)
 
     @contextlib.contextmanager

@@ -183,7 +183,8 @@ def _cache_with_this_build(root: Path) -> Path:
 
 def test_a_process_waiting_on_another_build_says_so_and_loads_its_result(tmp_path):
     build_dir = _cache_with_this_build(tmp_path)
-    code = "from lightgen import _build; _build.PROGRESS_SECONDS = 0.2; s = _build.load(); print(s.source, s.library_path)"
+    code = ("from lightgen import _build; _build.PROGRESS_SECONDS = 0.2; s = _build.load(); "
+            "print(s.source, s.library_path)")
     with _build.build_lock(build_dir, "C++"):  # this test plays the process that is building
         waiting = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, cwd=ROOT, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
@@ -217,7 +218,8 @@ def test_the_build_notice_comes_before_compiling(tmp_path):
                             text=True, cwd=ROOT, timeout=600, check=False,
                             env={**os.environ, "CXX": str(compiler), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
     first = result.stdout.splitlines()[0]
-    assert re.fullmatch(rf"lightgen: compiling the C\+\+ kernels for {_build.cpu_isa()} \({len(_build.sources())} files\), about \d+ s on "
+    isa, files = _build.cpu_isa(), len(_build.sources())
+    assert re.fullmatch(rf"lightgen: compiling the C\+\+ kernels for {isa} \({files} files\), about \d+ s on "
                         rf"\d+ idle cores(; longer now: .*)?; once per machine and torch build, cached in "
                         rf"{tmp_path / 'ext'}/lightgen_cpu_\w+ \| compiler ran before: False", first), first
     assert started.exists()  # and then it did run
@@ -230,7 +232,8 @@ def test_lightgen_build_fills_the_cache_that_load_then_finds(tmp_path, capsys):
     main(["build"])
     line = capsys.readouterr().out.strip().splitlines()[0]
     status = _build.load()
-    assert line.startswith(f"lightgen: CPU kernels for {status.isa} {status.source} in ") and status.library_path in line
+    assert line.startswith(f"lightgen: CPU kernels for {status.isa} {status.source} in ")
+    assert status.library_path in line
     later = _run("from lightgen import _build; s = _build.load(); print(s.source, s.library_path)")
     assert later.stdout.strip() == f"loaded from cache {status.library_path}", later.stderr
 
