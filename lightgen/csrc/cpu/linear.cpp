@@ -220,11 +220,11 @@ constexpr int64_t kPanelVecs = kPanel / Lanes::size;
 // weight vectors. AVX-512: 4 x 4 (the whole panel) for every kind. AVX2, measured (benchmarks' SmolLM2 step shapes,
 // 1 thread, variants interleaved in one process; ms at 1 / 2 / 3 / 8 rows): packed 2 x 8 (41.2 / 55.4 / 59.6 /
 // 80.3 against 1 x 8's 41.6 / 59.4 / 55.7 / 85.9 and 3 x 4's 42.3 / 85.3 / 80.2 / 103: half panels split fp32's
-// stream into strided ones); group-wise int8 3 x 4 (18.0 / 25.9 / 28.8 / 62.9 against 1 x 8's 18.3 / 31.8 / 39.8 /
-// 103: its k rows are one cache line); int4 2 x 8 (13.3 / 13.8 / 18.6 / 44.1 against 3 x 4's 13.3 / 18.6 / 23.8 /
-// 61.4). Scalar: 1 x 64. fp32 at more rows costs about memory time plus compute time; k-blocked tiles that keep
-// 16-128 k of the panel in L1 for every row tile (2 x 8, 3 x 4, 4 x 2, 2 x 4; with and without prefetching the next
-// block) were no faster at 3-16 rows (8 rows: 70.4 whole-panel 2 x 8 against 71.9-112).
+// stream into strided ones); group-wise int8 3 x 4 (in the per-weight form: 18.0 / 25.9 / 28.8 / 62.9 against
+// 1 x 8's 18.3 / 31.8 / 39.8 / 103: its k rows are one cache line); int4 2 x 8 (13.3 / 13.8 / 18.6 / 44.1 against
+// 3 x 4's 13.3 / 18.6 / 23.8 / 61.4). Scalar: 1 x 64. fp32 at more rows costs about memory time plus compute time;
+// k-blocked tiles that keep 16-128 k of the panel in L1 for every row tile (2 x 8, 3 x 4, 4 x 2, 2 x 4; with and
+// without prefetching the next block) were no faster at 3-16 rows (8 rows: 70.4 whole-panel 2 x 8 against 71.9-112).
 struct TileShape {
   int64_t rows, vecs;
 };
@@ -459,7 +459,6 @@ inline void grouped_tile(const float* x, int64_t ld_x, const int8_t* w, int64_t 
   }
 }
 
-
 // Vectors of a group-sum tile: int8 takes the whole panel below a full tile of rows (one stream; 3 x 4 at 2 rows
 // lost 15%), int4 its tile's.
 template <int64_t rows, bool nibbles>
@@ -468,7 +467,7 @@ constexpr int64_t group_sum_vecs() {
   return rows < kGroupedInt8Tile.rows ? kPanelVecs : kGroupedInt8Tile.vecs;
 }
 
-// The group-sum form: each group's sums sum_k x w on the raw integers, scaled once at the group's end; the running
+// The group-sum form: a group's products sum_k x q on the raw integers, scaled once at the group's end; the running
 // sums live in y (L1) instead of registers, which then hold the group's partial sums alone (with both in registers
 // the compiler spilled the widened weights in the inner loop; int4, AVX2, SmolLM2's step shapes, 1 thread,
 // interleaved: 1 / 2 / 8 rows 13.7 / 12.9 / 36.4 -> 12.7 / 11.5 / 35.3 ms). ``x_sums``: each row's group sums of x
@@ -503,7 +502,8 @@ inline void grouped_tile_sums(const float* x, int64_t ld_x, const uint8_t* w, in
         for (int64_t k = k0; k < k1; ++k)
           for (int64_t v = 0; v < kTileVecs; ++v) {
             const V wv = Lanes::load(q + k * kPanel + c0 + v * Lanes::size);
-            for (int64_t i = 0; i < rows; ++i) part[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k]), wv, part[i][v]);
+            for (int64_t i = 0; i < rows; ++i)
+              part[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k]), wv, part[i][v]);
           }
       }
       // int4 without zero points is centred by -8 steps; symmetric int8 has no offset.
