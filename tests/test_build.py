@@ -65,9 +65,9 @@ def test_transformers_outside_tested_range_is_refused():
 def test_disabled_extension_falls_back_with_one_warning_per_op_and_same_results():
     """LIGHTGEN_DISABLE_EXT=1: op, family parity and engine tests pass on the references (the C++ error
     messages are the kernels' own, so those tests stay with the kernels; the GAD, draft policy and distilled
-    drafter tests add drafting logic and training, not ops, and took half of this run (130 of 280 s, with the
-    allocator's memory test); the fuzz runs on the kernels: on the references it also found near-tie beam orders
-    of the tiny T5s, 2 of 1727 cases, which CI would meet at random)."""
+    drafter tests and the allocator's memory test add drafting logic, training and allocation, not ops; the fuzz
+    runs on the kernels: on the references it also found near-tie beam orders of the tiny T5s, 2 of 1727 cases,
+    which CI would meet at random)."""
     logic_only = ["test_gad.py", "test_fuzz.py", "test_draft_policy.py", "test_drafter_decoder_only.py"]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/ops", "tests/adapters/test_parity.py",
