@@ -510,8 +510,9 @@ inline void grouped_tile_sums(const float* x, int64_t ld_x, const uint8_t* w, in
       const bool shifted = nibbles || offset;
       for (int64_t v = 0; v < kTileVecs; ++v) {
         const V d = Lanes::load(scale + g * kPanel + c0 + v * Lanes::size);
-        const V o = offset ? Lanes::load(offset + g * kPanel + c0 + v * Lanes::size)
-                           : Lanes::mul(d, Lanes::broadcast(-8.f));
+        V o = Lanes::zero();
+        if (shifted)
+          o = offset ? Lanes::load(offset + g * kPanel + c0 + v * Lanes::size) : Lanes::mul(d, Lanes::broadcast(-8.f));
         for (int64_t i = 0; i < rows; ++i) {
           float* out = y + i * ld_y + c0 + v * Lanes::size;
           const V scaled = Lanes::fma(part[i][v], d, Lanes::load(out));
