@@ -127,17 +127,17 @@ def test_two_processes_building_at_once_one_builds_and_the_other_loads_its_build
             time.sleep(0.01)
         status = _build.BuildStatus(isa=_build.cpu_isa())
         _build._compile(status, "lightgen_build_test", [Path({str(source)!r})], "C++", _build._why_cannot_build, 1)
-        print(status.compiled, status.source, status.library_path)
+        print(status.compiled, status.library_path, status.source)
     """)
     (tmp_path / "ready").mkdir()
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "cache")}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "ready")], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env) for _ in range(2)]
     outputs = [proc.communicate(timeout=600) for proc in procs]
-    results = sorted(out.strip().split(" ", 1)[1].rsplit(" ", 1) for out, _ in outputs)
-    assert [out.split(" ", 1)[0] for out, _ in outputs] == ["True", "True"], outputs
-    assert [source for source, _ in results] == ["built", "built by another process"], outputs
-    assert results[0][1] == results[1][1], outputs  # the same library
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    compiled, libraries, how = zip(*(out.strip().split(" ", 2) for out, _ in outputs))
+    assert compiled == ("True", "True") and len(set(libraries)) == 1, outputs  # one library for both
+    assert sorted(how) == ["built", "built by another process"], outputs
 
 
 @pytest.mark.skipif(not _build.lock_file_blocks(), reason="this torch's build lock frees itself")
