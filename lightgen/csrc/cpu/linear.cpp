@@ -234,13 +234,13 @@ constexpr TileShape tile_shape(TileShape avx512, TileShape avx2) {
 constexpr TileShape kPackedTile = tile_shape({4, 4}, {2, 8});
 constexpr TileShape kGroupedInt8Tile = tile_shape({4, 4}, {3, 4});
 constexpr TileShape kGroupedInt4Tile = tile_shape({4, 4}, {2, 8});
-// On AVX2 int8 takes int4's form too: y += scale[g] * sum x q (+ offset[g] * sum x), one multiply-add a weight
-// instead of two, and no scales or offsets held in registers through the group (with them the compiler spilled);
-// AVX2, SmolLM2's step shapes, 1 thread, interleaved, ms at 1 / 2 / 3 / 8 rows, symmetric: 18.5 / 24.5 / 30.4 / 62.1
-// -> 17.1 / 20.1 / 26.5 / 46.9, zero points: 23.5 / 27.1 / 30.3 / 61.7 -> 20.5 / 21.2 / 26.6 / 46.6 (a run beside
-// the test suite: 8-14% / 17-18% / 14-16% / 22% faster). int4 keeps its 2 x 8: 3 x 4 lost 11-27% at 3-8 rows.
-// AVX-512 keeps grouped_tile: this form gained nothing there at B=1 and lost at B=8 (see grouped_tile).
-constexpr bool kInt8GroupSums = Lanes::size == 8;
+// Weight-only int8 takes int4's group-sum form (grouped_tile) on every ISA: y += scale[g] * sum x q
+// (+ offset[g] * sum x), one multiply-add a weight instead of two, and no scales or offsets held in registers through
+// the group (with them the compiler spilled). SmolLM2's step shapes, variants interleaved in one process, ms: AVX2,
+// 1 thread, 1 / 2 / 3 / 8 rows, symmetric 18.5 / 24.5 / 30.4 / 62.1 -> 17.1 / 20.1 / 26.5 / 46.9, zero points
+// 23.5 / 27.1 / 30.3 / 61.7 -> 20.5 / 21.2 / 26.6 / 46.6; AVX-512 (Zen 4), 2 threads, 1 / 2 / 4 / 8 rows:
+// 10.40 / 10.69 / 13.15 / 21.55 -> 9.55 / 10.60 / 12.90 / 20.99 (1 thread: 13.75 / 16.43 / 21.43 / 36.07 ->
+// 13.17 / 15.77 / 20.96 / 34.37). int4 keeps its 2 x 8 on AVX2: 3 x 4 lost 11-27% at 3-8 rows.
 
 template <int64_t rows, typename W>
 inline void panel_tile(const float* x, int64_t ld_x, const W* w, int64_t ld_w, int64_t k_len, float* y,
@@ -378,13 +378,13 @@ void PanelJob::run_panel(const float* x, int64_t m, int64_t k_len, int64_t panel
 // The panels of every job (all of one input x [m, K]) in one parallel loop, each thread's run of panels followed
 // by its columns' epilogue. A panel's result does not depend on which thread or call computes it.
 void run_panels(const float* x, int64_t m, int64_t k_len, const PanelJob* given, int64_t count) {
-  // The group sums of x (grouped_tile_sums), the same for every panel: once a call per group size, not a panel.
+  // The group sums of x (grouped_tile), the same for every panel: once a call per group size, not a panel.
   std::vector<PanelJob> jobs(given, given + count);
   std::vector<std::vector<float>> x_sums;
   std::vector<int64_t> summed_sizes;
   x_sums.reserve(count);
   for (PanelJob& job : jobs) {
-    if (!job.grouped || !(job.nibbles || (kInt8GroupSums && job.offset))) continue;
+    if (!job.grouped || !(job.nibbles || job.offset)) continue;
     auto same = std::find(summed_sizes.begin(), summed_sizes.end(), job.group_size);
     if (same == summed_sizes.end()) {
       std::vector<float> sums(m * job.groups);
@@ -418,47 +418,10 @@ void run_panels(const float* x, int64_t m, int64_t k_len, const PanelJob* given,
 // consecutive k of a column share one float scale, so an outlier only coarsens its own group:
 //   int8:          w = q * scale[g] (+ offset[g])         (q int8; no offset: symmetric)
 //   int4 (nibbles): w = u * scale[g] + offset[g]          (u in 0..15; no offset: symmetric, offset = -8 scale)
-// int8 widens and scales each k row in registers once for all rows of the tile. int4 sums a group's products on
-// the nibbles, sum_k x u, and scales once at the group's end: y += scale[g] * sum x u + offset[g] * sum x, one
-// multiply-add a weight instead of two, which its widening left the bound at few rows (AVX-512, SmolLM2 decode
-// step, 1 thread, loaded, A/B in turn: int4 B=1 10.3-12.5 -> 8.2-8.7 ms, B=8 31.5-32.3 -> 34.5-34.7; 2 threads, quiet,
-// benchmarks/vs_llama_cpp.py: B=1 9.2-9.7 -> 8.2-9.0, B=8 30.3-32.2 -> 32.1-33.7; int8 the same way gained nothing
-// at B=1 and lost at B=8; two-row tiles for int4 lost more at B=8). Each row's arithmetic is the same in any tile,
-// so a row's outputs do not depend on the batch.
+// Both sum a group's products on the integers, sum_k x q, and scale once at the group's end (int4, AVX-512, SmolLM2
+// step, 1 thread, against dequantizing each weight: B=1 10.3-12.5 -> 8.2-8.7 ms; int8: kGroupedInt8Tile's note).
+// Each row's arithmetic is the same in any tile, so a row's outputs do not depend on the batch.
 // int4 stores k = 2p in the low and k = 2p + 1 in the high nibble of byte row p; group_size is even.
-template <int64_t rows>
-inline void grouped_tile(const float* x, int64_t ld_x, const int8_t* w, int64_t k_len, int64_t group_size,
-                         const float* scale, const float* offset, float* y, int64_t ld_y) {
-  // 1 row: the whole panel (one stream; SmolLM2 int8 at batch 1, whose LM head is 49152 x 576, 18.6-19.4 ms a step
-  // that way against 20.2-20.8 with half panels, benchmarks/vs_llama_cpp.py, 2 threads)
-  constexpr int64_t kTileVecs = rows == 1 ? kPanelVecs : kGroupedInt8Tile.vecs, kTileCols = kTileVecs * Lanes::size;
-  for (int64_t c0 = 0; c0 < kPanel; c0 += kTileCols) {
-    V acc[rows][kTileVecs];
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t v = 0; v < kTileVecs; ++v) acc[i][v] = Lanes::zero();
-    for (int64_t k0 = 0, g = 0; k0 < k_len; k0 += group_size, ++g) {
-      V d[kTileVecs], o[kTileVecs];
-      for (int64_t v = 0; v < kTileVecs; ++v) {
-        d[v] = Lanes::load(scale + g * kPanel + c0 + v * Lanes::size);
-        if (offset) o[v] = Lanes::load(offset + g * kPanel + c0 + v * Lanes::size);
-      }
-      for (int64_t k = k0, k1 = std::min(k_len, k0 + group_size); k < k1; ++k) {
-        V wv[kTileVecs];
-        for (int64_t v = 0; v < kTileVecs; ++v) {
-          const V q = Lanes::load(w + k * kPanel + c0 + v * Lanes::size);
-          wv[v] = offset ? Lanes::fma(q, d[v], o[v]) : Lanes::mul(q, d[v]);
-        }
-        for (int64_t i = 0; i < rows; ++i) {
-          V xv = Lanes::broadcast(x[i * ld_x + k]);
-          for (int64_t v = 0; v < kTileVecs; ++v) acc[i][v] = Lanes::fma(xv, wv[v], acc[i][v]);
-        }
-      }
-    }
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t v = 0; v < kTileVecs; ++v) Lanes::store(y + i * ld_y + c0 + v * Lanes::size, acc[i][v]);
-  }
-}
-
 // Vectors of a group-sum tile: int8 takes the whole panel below a full tile of rows (one stream; 3 x 4 at 2 rows
 // lost 15%), int4 its tile's.
 template <int64_t rows, bool nibbles>
@@ -467,15 +430,22 @@ constexpr int64_t group_sum_vecs() {
   return rows < kGroupedInt8Tile.rows ? kPanelVecs : kGroupedInt8Tile.vecs;
 }
 
+// Quantized panels are read ahead of the hardware prefetcher, whose stream the widening slows: a byte row (64 k,
+// one cache line) 2 KB on. AVX-512 (Zen 4), SmolLM2's step shapes, 2 threads, interleaved, ms at 1 / 2 rows: int8
+// 11.53 / 13.07 -> 10.34 / 10.95 (1 KB: 10.61 / 11.07), int4 9.95 / 10.98 -> 8.84 / 9.56; 8 rows the same or
+// better. fp32's plain stream needs none (1-4 KB on: 1-19% slower).
+constexpr int64_t kPrefetchBytes = 2048;
+inline void prefetch_ahead(const void* row) { __builtin_prefetch(static_cast<const char*>(row) + kPrefetchBytes); }
+
 // The group-sum form: a group's products sum_k x q on the raw integers, scaled once at the group's end; the running
 // sums live in y (L1) instead of registers, which then hold the group's partial sums alone (with both in registers
 // the compiler spilled the widened weights in the inner loop; int4, AVX2, SmolLM2's step shapes, 1 thread,
 // interleaved: 1 / 2 / 8 rows 13.7 / 12.9 / 36.4 -> 12.7 / 11.5 / 35.3 ms). ``x_sums``: each row's group sums of x
 // (read for int4 and for int8 with zero points only).
 template <int64_t rows, bool nibbles>
-inline void grouped_tile_sums(const float* x, int64_t ld_x, const uint8_t* w, int64_t k_len, int64_t group_size,
-                              const float* scale, const float* offset, const float* x_sums, int64_t groups, float* y,
-                              int64_t ld_y) {
+inline void grouped_tile(const float* x, int64_t ld_x, const uint8_t* w, int64_t k_len, int64_t group_size,
+                         const float* scale, const float* offset, const float* x_sums, int64_t groups, float* y,
+                         int64_t ld_y) {
   constexpr int64_t kTileVecs = group_sum_vecs<rows, nibbles>(), kTileCols = kTileVecs * Lanes::size;
   for (int64_t c0 = 0; c0 < kPanel; c0 += kTileCols) {
     for (int64_t i = 0; i < rows; ++i)
@@ -487,6 +457,7 @@ inline void grouped_tile_sums(const float* x, int64_t ld_x, const uint8_t* w, in
         for (int64_t v = 0; v < kTileVecs; ++v) part[i][v] = Lanes::zero();
       if constexpr (nibbles) {
         for (int64_t k = k0; k < k1; k += 2) {
+          if (c0 == 0) prefetch_ahead(w + (k / 2) * kPanel);
           const bool pair = k + 1 < k1;  // false only for an odd k_len's last k (its high nibble is padding)
           for (int64_t v = 0; v < kTileVecs; ++v) {
             V lo, hi;
@@ -499,12 +470,14 @@ inline void grouped_tile_sums(const float* x, int64_t ld_x, const uint8_t* w, in
         }
       } else {
         const int8_t* q = reinterpret_cast<const int8_t*>(w);
-        for (int64_t k = k0; k < k1; ++k)
+        for (int64_t k = k0; k < k1; ++k) {
+          if (c0 == 0) prefetch_ahead(q + k * kPanel);
           for (int64_t v = 0; v < kTileVecs; ++v) {
             const V wv = Lanes::load(q + k * kPanel + c0 + v * Lanes::size);
             for (int64_t i = 0; i < rows; ++i)
               part[i][v] = Lanes::fma(Lanes::broadcast(x[i * ld_x + k]), wv, part[i][v]);
           }
+        }
       }
       // int4 without zero points is centred by -8 steps; symmetric int8 has no offset.
       const bool shifted = nibbles || offset;
@@ -533,13 +506,8 @@ void grouped_panel(const PanelJob& job, const float* x, int64_t m, int64_t k_len
   panel_rows<(nibbles ? kGroupedInt4Tile : kGroupedInt8Tile).rows>(
       m, std::min(kPanel, job.n - col), job.y + col, job.n, [&](auto rows, int64_t i, float* out, int64_t ld_out) {
         constexpr int64_t r = decltype(rows)::value;
-        if constexpr (nibbles || kInt8GroupSums)
-          grouped_tile_sums<r, nibbles>(x + i * k_len, k_len, static_cast<const uint8_t*>(wp), k_len, job.group_size,
-                                        sp, op, job.x_sums ? job.x_sums + i * job.groups : nullptr, job.groups, out,
-                                        ld_out);
-        else
-          grouped_tile<r>(x + i * k_len, k_len, static_cast<const int8_t*>(wp), k_len, job.group_size, sp, op, out,
-                          ld_out);
+        grouped_tile<r, nibbles>(x + i * k_len, k_len, static_cast<const uint8_t*>(wp), k_len, job.group_size, sp, op,
+                                 job.x_sums ? job.x_sums + i * job.groups : nullptr, job.groups, out, ld_out);
       });
 }
 
