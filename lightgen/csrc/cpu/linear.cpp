@@ -419,7 +419,7 @@ void run_panels(const float* x, int64_t m, int64_t k_len, const PanelJob* given,
 //   int8:          w = q * scale[g] (+ offset[g])         (q int8; no offset: symmetric)
 //   int4 (nibbles): w = u * scale[g] + offset[g]          (u in 0..15; no offset: symmetric, offset = -8 scale)
 // Both sum a group's products on the integers, sum_k x q, and scale once at the group's end (int4, AVX-512, SmolLM2
-// step, 1 thread, against dequantizing each weight: B=1 10.3-12.5 -> 8.2-8.7 ms; int8: kGroupedInt8Tile's note).
+// step, 1 thread, against dequantizing each weight: B=1 10.3-12.5 -> 8.2-8.7 ms; int8: the note after the tile shapes).
 // Each row's arithmetic is the same in any tile, so a row's outputs do not depend on the batch.
 // int4 stores k = 2p in the low and k = 2p + 1 in the high nibble of byte row p; group_size is even.
 // Vectors of a group-sum tile: int8 takes the whole panel below a full tile of rows (one stream; 3 x 4 at 2 rows
