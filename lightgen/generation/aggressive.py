@@ -284,11 +284,8 @@ def _draft_and_verify(decoder, state, drafter, policy: DraftPolicy, sequences, l
     row_lengths = lengths[live]
     # The verifier's own token needs one more place after the draft.
     sizes = policy.plan((max_length - row_lengths - 1).clamp(max=max_draft))
-    drafting = time.perf_counter()
-    drafts = _draft(drafter, live, sequences, row_lengths, sizes.to(live.device))
-    if drafts.shape[1]:
-        policy.drafted(time.perf_counter() - drafting)
-    drafts = _within_vocabulary(drafts, decoder.spec.token_embedding.shape[0])
+    drafts = _within_vocabulary(_draft(drafter, live, sequences, row_lengths, sizes.to(live.device)),
+                                decoder.spec.token_embedding.shape[0])
     draft_lengths = (drafts >= 0).sum(-1)
     drafts = drafts[:, :policy.width(draft_lengths)]
     draft_lengths = draft_lengths.clamp(max=drafts.shape[1])

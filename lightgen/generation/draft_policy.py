@@ -10,12 +10,11 @@ compute-bound), the wide pass is pure loss: issue 25 measured IAD at 0.49x light
 is what this decoder's drafts of this kind kept in earlier calls (``AcceptanceHistory``), so a model that
 copies its input drafts long from a row's first pass and a chat model drafts short; a row
 drafts at most the tokens whose expected acceptance ``p^i`` is worth a place, and the pass width is the
-``K`` that maximises expected tokens per second, ``sum_rows(1 + sum_{i<=K} p^i) / (cost(rows x (1+K)) + d)``,
-with ``cost`` measured on this decoder (``PassCost``) and ``d`` the drafter's own time per call, paid only by
-passes that draft (0 for ``K = 0``; ``AcceptanceHistory.drafting_cost``). When that is ``K = 0`` the pass is a
-plain greedy step; while it stays so, a one-token probe every few passes (waits doubling while probes fail or
-do not bring drafting back) lets rows whose drafts start to match again draft again. The tokens are greedy's
-whatever the policy decides: it only changes how many are verified per pass.
+``K`` that maximises expected tokens per second, ``sum_rows(1 + sum_{i<=K} p^i) / cost(rows x (1+K))``,
+with ``cost`` measured on this decoder (``PassCost``). When that is ``K = 0`` the pass is a plain greedy
+step; while it stays so, a one-token probe every few passes (waits doubling while probes fail) lets
+rows whose drafts start to match again draft again. The tokens are greedy's whatever the policy
+decides: it only changes how many are verified per pass.
 """
 
 from __future__ import annotations
@@ -66,10 +65,6 @@ class PassCost:
             self._times.popitem(last=False)
         self._line = None
 
-    def fitted(self) -> bool:
-        """Whether the line rests on two widths or more (else it is flat)."""
-        return len(self._times) >= 2
-
     def line(self) -> tuple[float, float]:
         """(a, b): seconds of a pass over n positions ~ a + b n, with a > 0 and b >= 0."""
         if self._line is None:
@@ -108,9 +103,6 @@ class FixedPassCost(PassCost):
     def observe(self, positions: int, seconds: float) -> None:
         pass
 
-    def fitted(self) -> bool:
-        return True
-
 
 def measured_cost(decoder) -> PassCost:
     """The pass cost of ``decoder``, kept on it across ``generate`` calls (on the decoder that fairseq's
@@ -133,12 +125,6 @@ class AcceptanceHistory:
 
     def __init__(self) -> None:
         self.accepted = self.rejected = 0.0
-        # Seconds the drafter took per drafting call, the latest few: a cost only passes that draft pay.
-        self.drafting: collections.deque = collections.deque(maxlen=16)
-
-    def drafting_cost(self) -> float:
-        """Seconds one drafting call costs (the mean of the faster half of the latest), 0 before any."""
-        return _faster_half_mean(self.drafting) if self.drafting else 0.0
 
     def prior(self) -> tuple[float, float]:
         """(accepted, rejected) pseudo-counts for a new row."""
@@ -174,9 +160,8 @@ class DraftPolicy:
         self.rejected = np.zeros(rows)  # ... and of rejections
         self.totals = [0.0, 0.0]  # this call's accepted tokens and rejections, for the history
         self._greedy_passes, self._probe_wait = 0, FIRST_PROBE_WAIT
-        self._probing, self._planned, self._wait_at_probe = False, 0, FIRST_PROBE_WAIT
+        self._probing, self._planned = False, 0
         self._last_end: float | None = None  # when the last timed pass ended
-        self._drafting = 0.0  # seconds the drafter took since then
 
     def acceptance(self) -> np.ndarray:
         """[rows] float64: the estimated chance that a row's next draft token is accepted."""
@@ -188,22 +173,14 @@ class DraftPolicy:
         the worthwhile ones, up to the pass width they would pay for (or a one-token probe)."""
         worthwhile = np.floor(math.log(WORTHWHILE) / np.log(self.acceptance())).clip(min=0)  # p^i >= WORTHWHILE
         sizes = np.minimum(limits.cpu().numpy(), worthwhile.astype(np.int64))
-        after_probe, self._probing = self._probing, False
-        if self.history.drafting_cost() and not self.cost.fitted():
-            # A line through one width is flat: it would price the greedy step as the drafting pass it saw (GAD at
-            # batch 1 verifies 1 + 8 positions every pass). One greedy step measures it.
-            self._planned = 0
-            return torch.zeros_like(limits)
+        self._probing = False
         self._planned = self._best_width(sizes)
         if self._planned > 0:
             self._greedy_passes = 0
         elif bool((sizes > 0).any()):
-            if after_probe:  # the probe did not bring drafting back, whatever it kept: wait longer
-                self._probe_wait = min(2 * self._wait_at_probe, LONGEST_PROBE_WAIT)
             self._greedy_passes += 1
             if self._greedy_passes >= self._probe_wait:
                 self._greedy_passes, self._probing, self._planned = 0, True, 1
-                self._wait_at_probe = self._probe_wait
         return torch.from_numpy(sizes.clip(max=self._planned))
 
     def width(self, lengths: torch.Tensor) -> int:
@@ -222,10 +199,7 @@ class DraftPolicy:
         places = np.arange(1, longest + 1)
         expected = (self.acceptance()[:, None] ** places) * (places <= lengths[:, None])
         tokens = np.concatenate([[0.0], expected.sum(0).cumsum()]) + rows  # K = 0..longest
-        widths = np.arange(longest + 1)
-        # A pass that drafts pays for the drafter too: a fixed cost per call (GAD's drafter: ~2 ms a call on the
-        # demo model, whose greedy step takes ~1 ms), which no number of verified positions makes cheaper.
-        rate = tokens / (self.cost(rows * (1 + widths)) + (widths > 0) * self.history.drafting_cost())
+        rate = tokens / self.cost(rows * (1 + np.arange(longest + 1)))
         # The widest K within RATE_TOLERANCE of the best: flat costs (no evidence yet) keep drafts whole, and where
         # the text is copied, acceptance runs longer than the geometric p^i expects, so near-ties go to the longer.
         return int(np.flatnonzero(rate >= rate.max() * (1 - RATE_TOLERANCE)).max())
@@ -250,18 +224,12 @@ class DraftPolicy:
         slots = slots.cpu().numpy()
         self.accepted, self.rejected = self.accepted[slots], self.rejected[slots]
 
-    def drafted(self, seconds: float) -> None:
-        """The drafter took ``seconds`` for this pass's drafts."""
-        self.history.drafting.append(seconds)
-        self._drafting += seconds
-
     def timed(self, positions: int, started: float, ended: float) -> None:
         """A decoder pass over ``positions`` ran from ``started`` to ``ended`` (``time.perf_counter``). The cost
-        line gets the whole iteration but the drafter's time (``drafted``: priced per drafting pass): the pass
-        and what ran since the previous pass ended (acceptance, bookkeeping), a cost per pass that wider drafts
-        save as much as the decoder's own. With the decoder's time alone, a small fast decoder (the demo model's
-        native step: 0.7 ms a pass, ~0.3 ms of it Python around it) looked dearer per position than it is, and
-        IAD drafted 4.9-5.2 tokens a pass instead of 6.15 (slower)."""
-        since = started - self._last_end - self._drafting if self._last_end is not None else 0.0
-        self._last_end, self._drafting = ended, 0.0
-        self.cost.observe(positions, ended - started + max(since, 0.0))
+        line gets the whole iteration: the pass and what ran since the previous pass ended (drafting, acceptance,
+        bookkeeping), a cost per pass that wider drafts save as much as the decoder's own. With the decoder's time
+        alone, a small fast decoder (the demo model's native step: 0.7 ms a pass, ~0.3 ms of it Python around it)
+        looked dearer per position than it is, and IAD drafted 4.9-5.2 tokens a pass instead of 6.15 (slower)."""
+        since = started - self._last_end if self._last_end is not None else 0.0
+        self._last_end = ended
+        self.cost.observe(positions, ended - started + since)

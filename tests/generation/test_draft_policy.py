@@ -222,56 +222,6 @@ def test_near_best_widths_go_to_the_longer_draft():
     assert chosen == 16 or rate[chosen + 1] < (1 - RATE_TOLERANCE) * rate.max()
 
 
-def test_a_dear_drafter_falls_to_greedy_passes_that_a_cheap_one_drafts_through():
-    """Drafting is a fixed cost per drafting pass (GAD's drafter: ~2 ms a call on the demo model, whose greedy step
-    takes ~1 ms): drafts of the same acceptance pay for a cheap drafter and not for a dear one."""
-    def planned(drafting_seconds):
-        policy = DraftPolicy(1, FixedPassCost(1.0, 0.0))
-        policy.accepted, policy.rejected = np.array([4.0]), np.array([2.0])  # p = 6 / 9: ~2 tokens a full draft
-        policy.history.drafting.extend([drafting_seconds] * 4)
-        return int(policy.width(policy.plan(torch.tensor([8]))))
-    assert planned(0.1) == 7 and planned(3.0) == 0  # 7: p^8 is not worth its place
-
-
-def test_drafting_time_is_priced_per_drafting_pass_not_per_position():
-    """The line gets each pass without the drafter's time (which comes between passes), the drafter's cost goes to
-    the history its decoder keeps; a call's first pass has nothing between."""
-    policy = DraftPolicy(1, PassCost())
-    policy.drafted(0.2)
-    policy.timed(9, 10.0, 10.5)  # the first pass: its own 0.5 s
-    policy.drafted(0.3)
-    policy.timed(9, 11.0, 11.5)  # 0.5 s between passes, of which 0.3 s drafting
-    assert [list(times) for times in policy.cost._times.values()] == [[0.5, pytest.approx(0.7)]]
-    assert policy.history.drafting_cost() == pytest.approx(0.2)  # the faster half of 0.2 and 0.3
-
-
-def test_a_one_width_line_measures_the_greedy_step_before_drafting_on():
-    """With a drafter's cost known and the line through one width only (every pass drafted the same width), one
-    greedy step gives the line its second width; then the policy weighs drafting again."""
-    policy = DraftPolicy(1, PassCost())
-    policy.history.drafting.append(0.001)
-    policy.cost.observe(9, 0.0026)
-    assert policy.plan(torch.tensor([8])).tolist() == [0]
-    policy.cost.observe(1, 0.0025)
-    policy.accepted, policy.rejected = np.array([20.0]), np.array([1.0])  # drafts that are kept: worth drafting
-    assert policy.width(policy.plan(torch.tensor([8]))) == 8
-
-
-def test_probes_that_do_not_bring_drafting_back_wait_longer_even_when_kept():
-    """A dear drafter keeps the policy at greedy passes however well its probes do: each probe doubles the wait."""
-    policy = DraftPolicy(1, FixedPassCost(1.0, 0.0))
-    policy.history.drafting.extend([5.0] * 4)
-    planned = []
-    for _ in range(60):
-        width = int(policy.width(policy.plan(torch.tensor([8]))))
-        planned.append(width)
-        if width:
-            policy.observe(torch.tensor([width]), torch.tensor([width]))  # every probe kept
-    probes = [index for index, width in enumerate(planned) if width]
-    gaps = [b - a for a, b in itertools.pairwise(probes)]
-    assert set(planned) == {0, 1} and len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
-
-
 def _find_anchor_by_scanning(output, source):
     for size in (1, 2, 3):
         if size > len(output):
