@@ -1,7 +1,6 @@
 // Attention over a preallocated KV cache: the step's new K/V are written in place at each row's
 // cache position, then scale + mask + softmax + weighted sum run per (batch, head, query).
 #include <torch/library.h>
-#include <algorithm>
 #include <cmath>
 #include <limits>
 #include "../include/attention_mask.h"
@@ -27,10 +26,9 @@ void write_new_kv(const Tensor& src, Tensor& cache, const std::vector<int64_t>& 
   const int64_t B = src.size(0), H = src.size(1), T = src.size(2), D = src.size(3);
   const scalar_t* src_base = src.data_ptr<scalar_t>();
   scalar_t* cache_base = cache.data_ptr<scalar_t>();
-  // Tasks of at least 16 KB copied: a decode step's few rows x heads of one position each (SmolLM2 at batch 1:
-  // 3 x 256 bytes) copy in less time than a fork/join takes (~2-3 us, 2 threads).
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(T * D * sizeof(scalar_t), 1));
-  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+  // Tasks of row_grain's size: a decode step's few rows x heads of one position each (SmolLM2 at batch 1: 3 x 64
+  // values) copy in less time than a fork/join takes (~2-3 us, 2 threads).
+  at::parallel_for(0, B * H, row_grain(T * D), [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       for (int64_t t = 0; t < T; ++t) {
