@@ -54,6 +54,7 @@ class PassCost:
 
     def __init__(self, window: int = 8, counts: int = 64) -> None:
         self._times: collections.OrderedDict[int, collections.deque] = collections.OrderedDict()
+        self._means: dict[int, float] = {}  # per count, the faster-half mean of its times
         self._window, self._counts = window, counts
         self._line: tuple[float, float] | None = None
 
@@ -61,8 +62,9 @@ class PassCost:
         times = self._times.pop(positions, None) or collections.deque(maxlen=self._window)
         times.append(seconds)
         self._times[positions] = times  # most recently seen last; the oldest count goes first
+        self._means[positions] = _faster_half_mean(times)
         if len(self._times) > self._counts:
-            self._times.popitem(last=False)
+            del self._means[self._times.popitem(last=False)[0]]
         self._line = None
 
     def line(self) -> tuple[float, float]:
@@ -72,15 +74,15 @@ class PassCost:
         return self._line
 
     def _fit(self) -> tuple[float, float]:
-        if len(self._times) < 2:
+        if len(self._means) < 2:
             return 1.0, 0.0
-        points = [(n, _faster_half_mean(times)) for n, times in self._times.items()]
-        mean_n = sum(n for n, _ in points) / len(points)
-        mean_t = sum(t for _, t in points) / len(points)
-        spread = sum((n - mean_n) ** 2 for n, _ in points)
-        slope = max(0.0, sum((n - mean_n) * (t - mean_t) for n, t in points) / spread)
-        floor = min(t for _, t in points)
-        return max(mean_t - slope * mean_n, 0.1 * floor), slope
+        # Plain floats: a pass refits over a dozen or so points, where NumPy's per-call cost is most of the work.
+        points = len(self._means)
+        mean_n = sum(self._means) / points
+        mean_t = sum(self._means.values()) / points
+        spread = sum((n - mean_n) ** 2 for n in self._means)
+        slope = max(0.0, sum((n - mean_n) * (t - mean_t) for n, t in self._means.items()) / spread)
+        return max(mean_t - slope * mean_n, 0.1 * min(self._means.values())), slope
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         a, b = self.line()
@@ -161,6 +163,7 @@ class DraftPolicy:
         self.totals = [0.0, 0.0]  # this call's accepted tokens and rejections, for the history
         self._greedy_passes, self._probe_wait = 0, FIRST_PROBE_WAIT
         self._probing, self._planned = False, 0
+        self._asked = np.zeros(rows, dtype=np.int64)  # the draft lengths the last plan asked for
         self._last_end: float | None = None  # when the last timed pass ended
 
     def acceptance(self) -> np.ndarray:
@@ -175,13 +178,15 @@ class DraftPolicy:
         sizes = np.minimum(limits.cpu().numpy(), worthwhile.astype(np.int64))
         self._probing = False
         self._planned = self._best_width(sizes)
+        self._asked = sizes.clip(max=self._planned)
         if self._planned > 0:
             self._greedy_passes = 0
         elif bool((sizes > 0).any()):
             self._greedy_passes += 1
             if self._greedy_passes >= self._probe_wait:
                 self._greedy_passes, self._probing, self._planned = 0, True, 1
-        return torch.from_numpy(sizes.clip(max=self._planned))
+                self._asked = sizes.clip(max=1)
+        return torch.from_numpy(self._asked)
 
     def width(self, lengths: torch.Tensor) -> int:
         """``lengths`` [rows] int64 (the drafts the drafter gave, at most as planned) -> K, the draft tokens
@@ -189,6 +194,8 @@ class DraftPolicy:
         lengths = lengths.cpu().numpy()
         if self._probing:
             return min(self._planned, int(lengths.max()) if lengths.size else 0)
+        if np.array_equal(lengths, self._asked):  # drafts as long as asked: the width planned for them
+            return self._planned
         return min(self._planned, self._best_width(lengths))
 
     def _best_width(self, lengths: np.ndarray) -> int:

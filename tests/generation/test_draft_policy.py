@@ -180,6 +180,17 @@ def test_pass_cost_fits_the_fastest_time_per_width():
     assert a == pytest.approx(0.01) and b == pytest.approx(0.001)
 
 
+def test_pass_cost_forgets_the_oldest_count_beyond_its_limit():
+    cost = PassCost(counts=2)
+    cost.observe(1, 5.0)  # an outlier that would bend the line, then evicted by two newer counts
+    cost.observe(2, 0.2)
+    cost.observe(4, 0.4)
+    assert cost.line() == pytest.approx((0.1 * 0.2, 0.1))  # through (2, 0.2) and (4, 0.4), the intercept floored
+    cost.observe(2, 0.1)  # the faster half of count 2's window: 0.1
+    a, b = cost.line()
+    assert (a, b) == pytest.approx((0.1 * 0.1, 0.15))
+
+
 @pytest.mark.parametrize("load", ["exponential", "spikes", "heavy"])
 def test_pass_cost_is_not_steepened_by_widths_seen_less_often(load):
     """Under load a wide count seen twice must not look dearer than the greedy width seen in a full window
