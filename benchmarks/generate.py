@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -40,7 +41,6 @@ import torch
 import transformers
 
 import lightgen
-from lightgen.generation import aggressive
 
 from _common import (ContentionMeter, NOISY_SPREAD, Sampling, Timing, format_speedup, hardware_title,
                      machine_lines, measure, start_run, write_results)
@@ -579,14 +579,17 @@ IAD, IAD_FLAT = "lightgen-iad", "lightgen-iad-flat"
 
 
 def iad_with_flat_cost(model, **kwargs):
-    """IAD with every pass width costing the same (drafts kept whole within the per-row caps), against the default
-    pass cost measured on the decoder."""
-    measured = aggressive.default_cost
-    aggressive.default_cost = lambda decoder: aggressive.FixedPassCost()
+    """IAD with every pass width costing the same (``LIGHTGEN_FIXED_DRAFTS=1``: drafts kept whole within the
+    per-row caps), against the default pass cost measured on the decoder."""
+    before = os.environ.get("LIGHTGEN_FIXED_DRAFTS")
+    os.environ["LIGHTGEN_FIXED_DRAFTS"] = "1"
     try:
         return model.generate(**kwargs, decoding="iad")
     finally:
-        aggressive.default_cost = measured
+        if before is None:
+            del os.environ["LIGHTGEN_FIXED_DRAFTS"]
+        else:
+            os.environ["LIGHTGEN_FIXED_DRAFTS"] = before
 
 
 def iad_cases(label: str, model, accelerated, tokenizer, settings: Settings, deadline: float) -> list[IadResult]:

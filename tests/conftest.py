@@ -67,11 +67,7 @@ def dtype(request):
 
 @pytest.fixture
 def flat_pass_cost(monkeypatch):
-    """Every pass costs the same and every call starts from the fixed prior: aggressive decoding keeps each draft
-    whole (as fixed-length drafting did) whatever earlier calls on the model saw, for tests that count passes;
-    the adaptive policy itself is tested in generation/test_draft_policy.py."""
-    from lightgen.generation import aggressive
-    from lightgen.generation.draft_policy import AcceptanceHistory, FixedPassCost
-
-    monkeypatch.setattr(aggressive, "default_cost", lambda decoder: FixedPassCost())
-    monkeypatch.setattr(aggressive, "default_history", lambda decoder, drafter: AcceptanceHistory())
+    """Every pass costs the same and every call starts from the fixed prior (``LIGHTGEN_FIXED_DRAFTS=1``):
+    aggressive decoding keeps each draft whole (as fixed-length drafting did) whatever earlier calls on the model
+    saw, for tests that count passes; the adaptive policy itself is tested in generation/test_draft_policy.py."""
+    monkeypatch.setenv("LIGHTGEN_FIXED_DRAFTS", "1")

@@ -14,6 +14,7 @@ own lengths; finished rows leave the batch (and the drafter's batch).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -196,12 +197,12 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
 
     ``max_draft``: the most draft tokens per row and pass, or a ``DraftBudget`` that sets it from the
     number of rows still decoding; within it ``DraftPolicy`` drafts less where drafts keep being rejected,
-    down to plain greedy passes, by ``pass_cost`` (default: ``measured_cost(decoder)``, measured on this decoder
-    across calls; ``FixedPassCost()`` makes every width cost the same and keeps drafts whole). Returns the
-    sequences and, per row, the tokens each of its
-    decoder passes added (accepted draft tokens + the verifier's own token); a row's pass count is the
-    length of its list. The cache needs as many spare positions as the longest draft: padding after short
-    drafts is written there and rolled back.
+    down to plain greedy steps, by ``pass_cost`` (default: ``measured_cost(decoder, drafter)``, measured on this
+    decoder across calls; ``FixedPassCost()`` or ``LIGHTGEN_FIXED_DRAFTS=1`` makes every width cost the same and
+    keeps drafts whole). Returns the sequences and, per row, the tokens each of its decoder passes added
+    (accepted draft tokens + the verifier's own token); a row's pass count is the length of its list. The cache
+    needs as many spare positions as the longest draft: padding after short drafts is written there and rolled
+    back.
 
     The bookkeeping is tensor ops over the rows still decoding (``sequences`` holds every row's tokens so
     far, ``lengths`` how many): per-row Python runs only where a drafter takes token lists."""
@@ -212,12 +213,23 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
     lengths = torch.full((rows,), prompt_len, dtype=torch.long, device=device)
     live = torch.arange(rows, device=device)  # batch row of each row still decoding
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
-    policy = DraftPolicy(rows, pass_cost if pass_cost is not None else default_cost(decoder),
+    policy = DraftPolicy(rows, pass_cost if pass_cost is not None else default_cost(decoder, drafter),
                          default_history(decoder, drafter))
     history: list[tuple[torch.Tensor, torch.Tensor]] = []  # per pass: (rows in it, tokens each added)
-    if prompt_len == 1:  # a lone start token (encoder-decoder): the first pass already verifies a draft
-        logits, best, drafts = _draft_and_verify(decoder, state, drafter, policy, sequences, lengths, live,
-                                                 max_length, max_draft, pad_token_id, acceptance)
+
+    def next_pass():
+        """The next pass's logits, argmax and drafts, as ``_draft_and_verify`` gives them, after the plain greedy
+        steps that come first when the policy drafts nothing."""
+        per_row = max_draft.per_row(live.shape[0]) if isinstance(max_draft, DraftBudget) else max_draft
+        # The verifier's own token needs one more place after the draft.
+        sizes = policy.plan((max_length - lengths[live] - 1).clamp(max=per_row))
+        if not policy.drafting:
+            return _greedy_steps(decoder, state, policy, sequences, lengths, live, eos, max_length, history, streamer)
+        return _draft_and_verify(decoder, state, drafter, policy, sizes, sequences, lengths, live, pad_token_id,
+                                 acceptance)
+
+    if prompt_len == 1:  # a lone start token (encoder-decoder): the first pass may already verify a draft
+        logits, best, drafts = next_pass()
     else:
         logits = decoder.step(state, input_ids, prompt_positions)[:, None]  # the prompt pass: [rows, 1, V]
         best = ops.greedy_tokens(logits)
@@ -255,8 +267,7 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
             state.keep_rows(keep)
             policy.keep(keep)
             live = live[keep]
-        logits, best, drafts = _draft_and_verify(decoder, state, drafter, policy, sequences, lengths, live,
-                                                 max_length, max_draft, pad_token_id, acceptance)
+        logits, best, drafts = next_pass()
     gained = [[] for _ in range(rows)]
     for pass_rows, pass_tokens in history:
         for row, count in zip(pass_rows.tolist(), pass_tokens.tolist(), strict=True):
@@ -264,26 +275,59 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
     return sequences[:, :int(lengths.max())].to(input_ids.dtype), gained
 
 
-def default_cost(decoder) -> PassCost:
-    return measured_cost(decoder)
+def default_cost(decoder, drafter) -> PassCost:
+    return FixedPassCost() if _fixed_drafts() else measured_cost(decoder, drafter)
 
 
 def default_history(decoder, drafter) -> AcceptanceHistory:
-    return measured_history(decoder, drafter)
+    return AcceptanceHistory() if _fixed_drafts() else measured_history(decoder, drafter)
 
 
-def _draft_and_verify(decoder, state, drafter, policy: DraftPolicy, sequences, lengths, live, max_length, max_draft,
-                      pad_token_id, acceptance: Acceptance):
-    """Drafts for the rows still decoding, cut to the width the policy picks, and one pass verifying them:
-    the logits [rows, 1 + K, V] when the acceptance rule reads them (None otherwise), their argmax [rows, 1 + K]
-    (-1 at the padding after short drafts, which greedy acceptance never reads, so lightgen's decoder skips
-    their LM head) and the drafts [rows, K] (-1 after each row's draft). The pass's time goes to the
-    policy's cost line."""
-    if isinstance(max_draft, DraftBudget):
-        max_draft = max_draft.per_row(live.shape[0])
+def _fixed_drafts() -> bool:
+    """``LIGHTGEN_FIXED_DRAFTS=1``: every pass costs the same and every call starts from the fixed prior, so drafts
+    stay whole (fixed-length drafting, as the paper's) and pass counts do not depend on the machine's timing."""
+    return os.environ.get("LIGHTGEN_FIXED_DRAFTS", "0") not in ("", "0")
+
+
+def _greedy_steps(decoder, state, policy: DraftPolicy, sequences, lengths, live, eos, max_length, history, streamer):
+    """Up to ``policy.greedy_steps()`` plain greedy steps, one token a row each, without a drafting pass's
+    bookkeeping (demo model, batch 1: ~0.2 instead of ~1.2 ms a step around the decoder), so that where drafts do
+    not pay the loop costs what greedy decoding does. Tokens go to ``sequences`` at the end; the step where a row
+    ends (EOS, or max_length with its forced EOS), or the last, is handed back as the next pass: (its logits
+    [rows, 1, V], argmax [rows, 1], no drafts) for the main loop's bookkeeping."""
     row_lengths = lengths[live]
-    # The verifier's own token needs one more place after the draft.
-    sizes = policy.plan((max_length - row_lengths - 1).clamp(max=max_draft))
+    # Steps before the longest row's next token would reach max_length: the main loop takes that one.
+    steps = max(1, min(policy.greedy_steps(), max_length - int(row_lengths.max())))
+    last = sequences[live, row_lengths - 1]
+    tokens = last.new_empty(last.shape[0], steps)
+    one_each = torch.ones_like(last)
+    for step in range(steps):
+        started = time.perf_counter()
+        logits = decoder.step(state, last[:, None])
+        best = ops.greedy_tokens(logits)
+        ended = bool(torch.isin(best, eos).any())  # reads the result: on a GPU, the step has run
+        policy.timed(last.shape[0], started, time.perf_counter())
+        if ended or step == steps - 1:
+            break
+        tokens[:, step] = last = best
+        history.append((live, one_each))
+        if streamer is not None:
+            streamer.put(best[:1, None].cpu())
+    if step:
+        columns = row_lengths[:, None] + torch.arange(step, device=row_lengths.device)
+        sequences[live[:, None], columns] = tokens[:, :step]
+        lengths[live] += step
+    return logits[:, None], best[:, None], best.new_empty(best.shape[0], 0)
+
+
+def _draft_and_verify(decoder, state, drafter, policy: DraftPolicy, sizes, sequences, lengths, live, pad_token_id,
+                      acceptance: Acceptance):
+    """Drafts of up to ``sizes`` [rows] tokens for the rows still decoding, cut to the width the policy picks, and
+    one pass verifying them: the logits [rows, 1 + K, V] when the acceptance rule reads them (None otherwise),
+    their argmax [rows, 1 + K] (-1 at the padding after short drafts, which greedy acceptance never reads, so
+    lightgen's decoder skips their LM head) and the drafts [rows, K] (-1 after each row's draft). The pass's time
+    goes to the policy's cost line."""
+    row_lengths = lengths[live]
     drafts = _within_vocabulary(_draft(drafter, live, sequences, row_lengths, sizes.to(live.device)),
                                 decoder.spec.token_embedding.shape[0])
     draft_lengths = (drafts >= 0).sum(-1)

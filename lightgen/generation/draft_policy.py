@@ -10,11 +10,14 @@ compute-bound), the wide pass is pure loss: issue 25 measured IAD at 0.49x light
 is what this decoder's drafts of this kind kept in earlier calls (``AcceptanceHistory``), so a model that
 copies its input drafts long from a row's first pass and a chat model drafts short; a row
 drafts at most the tokens whose expected acceptance ``p^i`` is worth a place, and the pass width is the
-``K`` that maximises expected tokens per second, ``sum_rows(1 + sum_{i<=K} p^i) / cost(rows x (1+K))``,
-with ``cost`` measured on this decoder (``PassCost``). When that is ``K = 0`` the pass is a plain greedy
-step; while it stays so, a one-token probe every few passes (waits doubling while probes fail) lets
-rows whose drafts start to match again draft again. The tokens are greedy's whatever the policy
-decides: it only changes how many are verified per pass.
+``K`` that maximises expected tokens per second, ``sum_rows(1 + sum_{i<=K} p^i) / (cost(rows x (1+K)) + o_K)``,
+with ``cost`` the decoder's own time, a line through positions, and ``o_K`` what an iteration costs around it:
+drafting and a drafting pass's bookkeeping for ``K > 0``, a plain greedy step's for ``K = 0`` (``PassCost``, measured
+on this decoder with drafters of this kind). GAD's drafter on the demo model costs about as much as a pass, a price
+no draft width spreads thin, and ``K = 0`` saves it. When ``K = 0`` wins the loop runs plain greedy steps; a
+one-token probe after enough of them to keep probing within ``PROBE_SHARE`` of their time (the count kept across
+calls) lets rows whose drafts start to pay draft again. The tokens are greedy's whatever the policy decides: it
+only changes how many are verified per pass.
 """
 
 from __future__ import annotations
@@ -36,12 +39,16 @@ HISTORY_DECAY = 0.5
 DECAY = 0.85
 # Draft tokens whose expected acceptance is below this are not worth their place (and their LM-head row).
 WORTHWHILE = 0.05
-FIRST_PROBE_WAIT, LONGEST_PROBE_WAIT = 2, 32
+# Probes (one-token drafts while greedy steps win) may cost this share of the greedy steps' time between them ...
+PROBE_SHARE = 0.03
+# ... but come after this many greedy steps at least and at most.
+FIRST_PROBE_WAIT, LONGEST_PROBE_WAIT = 2, 1024
 RATE_TOLERANCE = 0.05
 
 
 class PassCost:
-    """Seconds per decoder pass against the positions it feeds (rows x width), measured on one decoder.
+    """Seconds per decoder pass against the positions it feeds (rows x width), measured on one decoder, and the
+    seconds around a pass: an iteration that drafts and one that is a plain greedy step.
 
     Per position count the mean of the faster half of its last few times, then a least-squares line
     ``a + b * positions`` through them; with fewer than two counts seen, every pass costs the same (the
@@ -50,13 +57,17 @@ class PassCost:
     unequally often (the policy soon stops drafting wide: a wide count keeps one or two times while the
     greedy width keeps a full window), and the minimum of many loaded times is lower than that of two,
     which steepens the line (simulated under persistent load: wide passes up to 1.4x too dear by the minimum,
-    0.9-1.0x by the faster half; tests/generation/test_draft_policy.py)."""
+    0.9-1.0x by the faster half; tests/generation/test_draft_policy.py). With one count seen, a pass over fewer
+    positions costs proportionally less and one over more the same: each unseen side looks cheap enough to be
+    tried once, which gives the line its second point."""
 
     def __init__(self, window: int = 8, counts: int = 64) -> None:
         self._times: collections.OrderedDict[int, collections.deque] = collections.OrderedDict()
         self._means: dict[int, float] = {}  # per count, the faster-half mean of its times
         self._window, self._counts = window, counts
         self._line: tuple[float, float] | None = None
+        # Seconds between one pass's end and the next one's start: drafting iterations, greedy steps.
+        self._around = {True: collections.deque(maxlen=16), False: collections.deque(maxlen=16)}
 
     def observe(self, positions: int, seconds: float) -> None:
         times = self._times.pop(positions, None) or collections.deque(maxlen=self._window)
@@ -66,6 +77,18 @@ class PassCost:
         if len(self._times) > self._counts:
             del self._means[self._times.popitem(last=False)[0]]
         self._line = None
+
+    def observe_around(self, drafting: bool, seconds: float) -> None:
+        self._around[drafting].append(seconds)
+
+    def around(self, drafting: bool) -> float:
+        """Seconds an iteration costs outside the decoder's pass (the faster half's mean; 0 before any)."""
+        times = self._around[drafting]
+        return _faster_half_mean(times) if times else 0.0
+
+    def fitted(self) -> bool:
+        """Whether the line rests on two position counts or more."""
+        return len(self._means) >= 2
 
     def line(self) -> tuple[float, float]:
         """(a, b): seconds of a pass over n positions ~ a + b n, with a > 0 and b >= 0."""
@@ -85,6 +108,9 @@ class PassCost:
         return max(mean_t - slope * mean_n, 0.1 * min(self._means.values())), slope
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
+        if len(self._means) == 1:
+            (seen, seconds), = self._means.items()
+            return seconds * np.minimum(1.0, np.asarray(positions) / seen)
         a, b = self.line()
         return a + b * positions
 
@@ -96,20 +122,30 @@ def _faster_half_mean(times) -> float:
 
 class FixedPassCost(PassCost):
     """A cost line given, not measured (tests, or a machine profiled beforehand); ``slope=0`` makes
-    every width cost the same, which keeps every draft in full."""
+    every width cost the same, which keeps every draft in full. ``drafting``: seconds an iteration that drafts
+    costs around its pass (a greedy step's: none)."""
 
-    def __init__(self, intercept: float = 1.0, slope: float = 0.0) -> None:
+    def __init__(self, intercept: float = 1.0, slope: float = 0.0, drafting: float = 0.0) -> None:
         super().__init__()
-        self._line = (intercept, slope)
+        self._line, self._drafting = (intercept, slope), drafting
 
     def observe(self, positions: int, seconds: float) -> None:
         pass
 
+    def observe_around(self, drafting: bool, seconds: float) -> None:
+        pass
 
-def measured_cost(decoder) -> PassCost:
-    """The pass cost of ``decoder``, kept on it across ``generate`` calls (on the decoder that fairseq's
-    per-call scoring wrapper wraps)."""
-    return _kept_on(decoder).setdefault("pass_cost", PassCost())
+    def around(self, drafting: bool) -> float:
+        return self._drafting if drafting else 0.0
+
+    def fitted(self) -> bool:
+        return True
+
+
+def measured_cost(decoder, drafter) -> PassCost:
+    """The pass cost of ``decoder`` with drafters of ``drafter``'s type, kept on it across ``generate`` calls (on
+    the decoder that fairseq's per-call scoring wrapper wraps): the drafter is part of an iteration's cost."""
+    return _kept_on(decoder).setdefault(("pass_cost", type(drafter).__qualname__), PassCost())
 
 
 def _kept_on(decoder) -> dict:
@@ -127,6 +163,7 @@ class AcceptanceHistory:
 
     def __init__(self) -> None:
         self.accepted = self.rejected = 0.0
+        self.greedy_steps = 0  # greedy steps since the last probe or drafting pass, across calls
 
     def prior(self) -> tuple[float, float]:
         """(accepted, rejected) pseudo-counts for a new row."""
@@ -161,8 +198,8 @@ class DraftPolicy:
         self.accepted = np.zeros(rows)  # decayed counts of accepted draft tokens
         self.rejected = np.zeros(rows)  # ... and of rejections
         self.totals = [0.0, 0.0]  # this call's accepted tokens and rejections, for the history
-        self._greedy_passes, self._probe_wait = 0, FIRST_PROBE_WAIT
         self._probing, self._planned = False, 0
+        self._sizes = np.zeros(rows, dtype=np.int64)  # the worthwhile draft lengths of the last plan
         self._asked = np.zeros(rows, dtype=np.int64)  # the draft lengths the last plan asked for
         self._last_end: float | None = None  # when the last timed pass ended
 
@@ -173,20 +210,42 @@ class DraftPolicy:
 
     def plan(self, limits: torch.Tensor) -> torch.Tensor:
         """``limits`` [rows] int64 (the most each row may draft) -> how many tokens to ask the drafter for:
-        the worthwhile ones, up to the pass width they would pay for (or a one-token probe)."""
+        the worthwhile ones, up to the pass width they would pay for (or a one-token probe). All zeros (and
+        ``drafting`` False): plain greedy steps, ``greedy_steps()`` of them."""
         worthwhile = np.floor(math.log(WORTHWHILE) / np.log(self.acceptance())).clip(min=0)  # p^i >= WORTHWHILE
-        sizes = np.minimum(limits.cpu().numpy(), worthwhile.astype(np.int64))
+        self._sizes = sizes = np.minimum(limits.cpu().numpy(), worthwhile.astype(np.int64))
         self._probing = False
-        self._planned = self._best_width(sizes)
-        self._asked = sizes.clip(max=self._planned)
+        self._planned = self._best_width(sizes, drafted=False)
         if self._planned > 0:
-            self._greedy_passes = 0
-        elif bool((sizes > 0).any()):
-            self._greedy_passes += 1
-            if self._greedy_passes >= self._probe_wait:
-                self._greedy_passes, self._probing, self._planned = 0, True, 1
-                self._asked = sizes.clip(max=1)
+            self.history.greedy_steps = 0
+        elif bool((sizes > 0).any()) and self.history.greedy_steps >= self._probe_wait():
+            self.history.greedy_steps, self._probing, self._planned = 0, True, 1
+        self._asked = sizes.clip(max=self._planned)
         return torch.from_numpy(self._asked)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether the last plan asks the drafter for anything."""
+        return self._planned > 0
+
+    def greedy_steps(self) -> int:
+        """After a plan without drafts: the plain greedy steps to take before planning again (until the next
+        probe is due; one while the cost line is unfitted, since each step refits it)."""
+        if not self.cost.fitted():
+            return 1
+        if not bool((self._sizes > 0).any()):
+            return LONGEST_PROBE_WAIT  # nothing worth drafting is left to probe
+        return max(1, self._probe_wait() - self.history.greedy_steps)
+
+    def _probe_wait(self) -> int:
+        """Greedy steps between probes: enough that a probe's extra cost is PROBE_SHARE of theirs."""
+        rows = self._sizes.shape[0]
+        greedy = float(self.cost(rows)) + self.cost.around(False)
+        probe = float(self.cost(2 * rows)) + self.cost.around(True)
+        if not self.cost.fitted() or greedy <= 0:
+            return FIRST_PROBE_WAIT
+        return int(min(max(math.ceil((probe - greedy) / (PROBE_SHARE * greedy)), FIRST_PROBE_WAIT),
+                       LONGEST_PROBE_WAIT))
 
     def width(self, lengths: torch.Tensor) -> int:
         """``lengths`` [rows] int64 (the drafts the drafter gave, at most as planned) -> K, the draft tokens
@@ -196,9 +255,10 @@ class DraftPolicy:
             return min(self._planned, int(lengths.max()) if lengths.size else 0)
         if np.array_equal(lengths, self._asked):  # drafts as long as asked: the width planned for them
             return self._planned
-        return min(self._planned, self._best_width(lengths))
+        return min(self._planned, self._best_width(lengths, drafted=True))
 
-    def _best_width(self, lengths: np.ndarray) -> int:
+    def _best_width(self, lengths: np.ndarray, drafted: bool) -> int:
+        """The K of the best expected rate; ``drafted``: the drafts are in hand, so K = 0 saves no drafting."""
         longest = int(lengths.max()) if lengths.size else 0
         if longest == 0:
             return 0
@@ -206,7 +266,10 @@ class DraftPolicy:
         places = np.arange(1, longest + 1)
         expected = (self.acceptance()[:, None] ** places) * (places <= lengths[:, None])
         tokens = np.concatenate([[0.0], expected.sum(0).cumsum()]) + rows  # K = 0..longest
-        rate = tokens / self.cost(rows * (1 + np.arange(longest + 1)))
+        seconds = self.cost(rows * (1 + np.arange(longest + 1))) + self.cost.around(True)
+        if not drafted:
+            seconds[0] += self.cost.around(False) - self.cost.around(True)
+        rate = tokens / seconds
         # The widest K within RATE_TOLERANCE of the best: flat costs (no evidence yet) keep drafts whole, and where
         # the text is copied, acceptance runs longer than the geometric p^i expects, so near-ties go to the longer.
         return int(np.flatnonzero(rate >= rate.max() * (1 - RATE_TOLERANCE)).max())
@@ -219,9 +282,6 @@ class DraftPolicy:
         self.rejected = np.where(drafted, self.rejected * DECAY + rejected, self.rejected)
         self.totals[0] += float(accepted[drafted].sum())
         self.totals[1] += float(rejected[drafted].sum())
-        if self._probing:  # a probe that kept nothing: wait longer before the next
-            self._probe_wait = (FIRST_PROBE_WAIT if bool((accepted > 0).any())
-                                else min(2 * self._probe_wait, LONGEST_PROBE_WAIT))
 
     def finish(self) -> None:
         """The call is over: what its drafts kept goes to the history that later calls start from."""
@@ -232,11 +292,15 @@ class DraftPolicy:
         self.accepted, self.rejected = self.accepted[slots], self.rejected[slots]
 
     def timed(self, positions: int, started: float, ended: float) -> None:
-        """A decoder pass over ``positions`` ran from ``started`` to ``ended`` (``time.perf_counter``). The cost
-        line gets the whole iteration: the pass and what ran since the previous pass ended (drafting, acceptance,
-        bookkeeping), a cost per pass that wider drafts save as much as the decoder's own. With the decoder's time
-        alone, a small fast decoder (the demo model's native step: 0.7 ms a pass, ~0.3 ms of it Python around it)
-        looked dearer per position than it is, and IAD drafted 4.9-5.2 tokens a pass instead of 6.15 (slower)."""
-        since = started - self._last_end if self._last_end is not None else 0.0
+        """A decoder pass over ``positions`` ran from ``started`` to ``ended`` (``time.perf_counter``), after the
+        last plan: its time goes to the line, the time since the previous pass ended (drafting, acceptance,
+        bookkeeping) to the drafting or the greedy iterations' cost around a pass. Priced per pass, not per
+        position: with the decoder's time alone, a small fast decoder (the demo model's native step: 0.7 ms a
+        pass, ~0.3 ms of it Python around it) looked dearer per position than it is, and IAD drafted 4.9-5.2
+        tokens a pass instead of 6.15 (slower)."""
+        if self._last_end is not None:
+            self.cost.observe_around(self.drafting, started - self._last_end)
         self._last_end = ended
-        self.cost.observe(positions, ended - started + since)
+        self.cost.observe(positions, ended - started)
+        if not self.drafting:
+            self.history.greedy_steps += 1

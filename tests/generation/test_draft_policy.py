@@ -35,7 +35,7 @@ def widths(monkeypatch):
 
 
 def _with_cost(monkeypatch, cost):
-    monkeypatch.setattr(aggressive, "default_cost", lambda decoder: cost)
+    monkeypatch.setattr(aggressive, "default_cost", lambda decoder, drafter: cost)
     monkeypatch.setattr(aggressive, "default_history", lambda decoder, drafter: AcceptanceHistory())
 
 
@@ -78,28 +78,131 @@ def test_drafts_good_then_bad_equal_greedy_under_a_measured_cost(family, monkeyp
         assert torch.equal(accelerated.generate(**kwargs, decoding="gad", drafter=drafter, block_size=5), expected)
 
 
-def test_policy_shrinks_rejected_rows_probes_at_doubling_waits_and_recovers():
-    policy = DraftPolicy(2, COMPUTE_BOUND)
-    limits = torch.tensor([8, 8])
+# Drafting dearer than the passes it saves: plain greedy steps, a one-token probe every ~11 of them.
+DEAR_DRAFTING = FixedPassCost(1.0, 0.01, drafting=0.3)
+
+
+@pytest.mark.parametrize("family", ["bart", "marian", "gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("ending", ["eos", "length", "forced-eos"])
+@pytest.mark.parametrize("beta", [1, 2])
+def test_greedy_steps_between_probes_equal_greedy(family, ending, beta, monkeypatch, widths):
+    """Where drafting does not pay the loop runs plain greedy steps (their tokens written after the run, the step
+    where a row ends handed back to the main loop): greedy's tokens whatever ends the rows, at different steps."""
+    _with_cost(monkeypatch, DEAR_DRAFTING)
+    accelerated, reference, expected, kwargs = _greedy(family, 6, batch=4, new_tokens=30)
+    start = kwargs["input_ids"].shape[1] if family not in SEQ2SEQ else 1
+    if ending == "eos":  # row r's token 3 + 6r ends rows (at different steps where outputs are not one token repeated)
+        kwargs["eos_token_id"] = [int(expected[row, start + 3 + 6 * row]) for row in range(expected.shape[0])]
+    elif ending == "forced-eos":
+        kwargs["forced_eos_token_id"] = 3
+    expected = reference.generate(**kwargs)
+    drafter = _oracle(expected, corrupt_every=1)
+    calls = []
+    out = accelerated.generate(**kwargs, decoding="gad", drafter=lambda *a: calls.append(1) or drafter(*a),
+                               block_size=6, beta=beta, tau=0.0, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    if ending == "eos":
+        return
+    assert [int(row.sum()) for row in out.tokens_per_iteration] == [expected.shape[1] - start] * expected.shape[0]
+    passes = widths[1:] if family not in SEQ2SEQ else widths
+    # Rejections teach the policy in ~6 passes (p from 2/3 to where no draft pays), then greedy steps and probes.
+    later = passes[8:]
+    assert later.count(1) >= len(later) - 3 and len(calls) <= 8 + 3, (passes, len(calls))
+
+
+def test_greedy_steps_stream_one_token_each():
+    from tests.generation.test_dropin import Recorder
+
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as patched:
+        _with_cost(patched, DEAR_DRAFTING)
+        accelerated, reference, expected, kwargs = _greedy("llama", 7, batch=1, new_tokens=20)
+        streamer = Recorder()
+        drafter = _oracle(expected, corrupt_every=1)
+        out = accelerated.generate(**kwargs, decoding="gad", drafter=drafter, block_size=4, streamer=streamer,
+                                   return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    chunks = [chunk[0] for _, _, chunk in streamer.calls[1:-1]]
+    assert [len(chunk) for chunk in chunks] == out.tokens_per_iteration[0].tolist()
+    assert [token for chunk in chunks for token in chunk] == expected[0, kwargs["input_ids"].shape[1]:].tolist()
+
+
+def _simulate(policy, limits, passes, accepted_share, clock):
+    """``passes`` planned passes, each draft token accepted while ``accepted_share(pass)`` says so; the passes'
+    widths (0: a greedy step, timed as one each)."""
     planned = []
-    for _ in range(40):
+    for index in range(passes):
         sizes = policy.plan(limits)
-        width = policy.width(sizes)
-        planned.append(width)
+        steps = 1 if policy.drafting else policy.greedy_steps()
+        width = policy.width(sizes) if policy.drafting else 0
+        rows = limits.shape[0]
+        for _ in range(steps):
+            planned.append(width)
+            seconds = float(policy.cost(rows * (1 + width))) + policy.cost.around(policy.drafting)
+            policy.timed(rows * (1 + width), clock[0] + seconds - float(policy.cost(rows * (1 + width))),
+                         clock[0] + seconds)
+            clock[0] += seconds
         if width:
-            policy.observe(torch.full((2,), width), torch.zeros(2, dtype=torch.long))
+            kept = width if accepted_share(index) else 0
+            policy.observe(torch.full((rows,), width), torch.full((rows,), kept))
+    return planned
+
+
+def test_policy_shrinks_rejected_rows_probes_within_its_share_and_recovers():
+    from lightgen.generation.draft_policy import PROBE_SHARE
+
+    cost, clock = FixedPassCost(1.0, 0.5, drafting=0.2), [0.0]
+    policy = DraftPolicy(2, cost)
+    limits = torch.tensor([8, 8])
+    planned = _simulate(policy, limits, 40, lambda index: False, clock)
     assert planned[0] >= 1 and 0 in planned[:6]
     probes = [index for index, width in enumerate(planned) if index > 6 and width]
     assert set(planned[7:]) <= {0, 1} and len(probes) >= 2
-    gaps = [b - a for a, b in itertools.pairwise(probes)]
-    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]
-    # Drafts that pass again: the rows draft more than one token again.
-    for _ in range(80):  # the next probe comes after the longest wait
-        sizes = policy.plan(limits)
-        width = policy.width(sizes)
-        if width:
-            policy.observe(torch.full((2,), width), torch.full((2,), width))
+    greedy, probe = 1.0 + 0.5 * 2, 1.0 + 0.5 * 4 + 0.2
+    wait = int(np.ceil((probe - greedy) / (PROBE_SHARE * greedy)))
+    assert [b - a for a, b in itertools.pairwise(probes)] == [wait + 1] * (len(probes) - 1)
+    # Drafts that pass again: the rows draft more than one token again, after some probes.
+    _simulate(policy, limits, 30, lambda index: True, clock)
     assert policy.width(policy.plan(limits)) > 1
+
+
+def test_dear_drafting_runs_greedy_steps_though_its_drafts_are_right():
+    """GAD on the demo model: 3 of 8 tokens kept a pass, but drafting costs more than the passes it saves."""
+    policy = DraftPolicy(1, FixedPassCost(1.0, 0.05, drafting=3.0))
+    policy.accepted, policy.rejected = np.array([30.0]), np.array([10.0])  # p = 0.75
+    assert policy.plan(torch.tensor([8])).tolist() == [0] and not policy.drafting
+    assert policy.greedy_steps() > 50  # probes are rare: each costs about four greedy steps
+    cheap = DraftPolicy(1, FixedPassCost(1.0, 0.05, drafting=0.2))
+    cheap.accepted, cheap.rejected = np.array([30.0]), np.array([10.0])
+    assert cheap.width(cheap.plan(torch.tensor([8]))) > 1
+
+
+def test_greedy_steps_between_probes_are_counted_across_calls():
+    history, cost = AcceptanceHistory(), FixedPassCost(1.0, 0.5, drafting=0.2)
+    first = DraftPolicy(1, cost, history)
+    first.accepted, first.rejected = np.array([0.0]), np.array([20.0])
+    assert first.plan(torch.tensor([8])).tolist() == [0]
+    wait = first.greedy_steps()
+    for step in range(wait - 1):
+        first.timed(1, step, step + 0.5)
+    second = DraftPolicy(1, cost, history)  # a new call: one greedy step short of the next probe
+    second.accepted, second.rejected = first.accepted, first.rejected
+    assert second.plan(torch.tensor([8])).tolist() == [0] and second.greedy_steps() == 1
+    second.timed(1, 0.0, 0.5)
+    assert second.plan(torch.tensor([8])).tolist() == [1] and second.drafting
+
+
+def test_an_unfitted_line_tries_the_unseen_widths():
+    """One position count seen: fewer positions cost proportionally less, more the same, so each side is tried."""
+    cost = PassCost()
+    cost.observe(9, 0.009)
+    assert not cost.fitted()
+    assert cost(np.array([1, 9, 17])).tolist() == pytest.approx([0.001, 0.009, 0.009])
+    policy = DraftPolicy(1, cost)
+    policy.accepted = np.array([2.0])  # p = 0.8: a whole draft would be worth a flat pass
+    assert policy.plan(torch.tensor([8])).tolist() == [0] and policy.greedy_steps() == 1
+    cost.observe(1, 0.005)
+    assert cost.fitted() and policy.plan(torch.tensor([8])).tolist() == [8]
 
 
 def test_flat_cost_drafts_in_full_and_rows_are_their_own():
@@ -142,7 +245,7 @@ def test_new_rows_start_from_what_earlier_calls_accepted():
 def test_a_second_call_drafts_in_full_from_its_first_pass(family, monkeypatch, widths):
     """Drafts that were always right in the first call: the second call's first drafts are whole (the first
     call's were cut by the 2/3 prior), its tokens still greedy's; the history is per drafter type."""
-    monkeypatch.setattr(aggressive, "default_cost", lambda decoder: FixedPassCost())
+    monkeypatch.setattr(aggressive, "default_cost", lambda decoder, drafter: FixedPassCost())
     accelerated, _, expected, kwargs = _greedy(family, 3, batch=2, new_tokens=24)
     calls = []
     for _ in range(2):
@@ -210,12 +313,19 @@ def test_pass_cost_is_not_steepened_by_widths_seen_less_often(load):
     assert 0.85 < sorted(ratios)[len(ratios) // 2] < 1.15  # by the minimum: 1.02-1.38
 
 
-def test_pass_cost_counts_the_whole_iteration_since_the_last_pass():
-    """Drafting and bookkeeping between passes cost as much per pass as the decoder; the line gets both."""
+def test_pass_cost_prices_the_time_around_a_pass_per_pass():
+    """Drafting and bookkeeping between passes cost per pass, not per position: the decoder's time goes to the
+    line, the time since the previous pass to the drafting or the greedy iterations' cost around a pass."""
     policy = DraftPolicy(1, PassCost())
-    policy.timed(4, 10.0, 10.5)  # the call's first pass: its own 0.5 s
-    policy.timed(8, 11.0, 11.5)  # 0.5 s of drafting and acceptance before it
-    assert [list(times) for times in policy.cost._times.values()] == [[0.5], [1.0]]
+    policy.plan(torch.tensor([4]))  # flat: drafts whole
+    policy.timed(5, 10.0, 10.5)  # the call's first pass: its own 0.5 s
+    policy.timed(5, 11.0, 11.5)  # 0.5 s of drafting and acceptance before it
+    policy.accepted, policy.rejected = np.array([0.0]), np.array([50.0])
+    policy.plan(torch.tensor([4]))
+    assert not policy.drafting
+    policy.timed(1, 11.6, 11.7)  # a greedy step 0.1 s after the pass
+    assert [list(times) for times in policy.cost._times.values()] == [[0.5, 0.5], pytest.approx([0.1])]
+    assert policy.cost.around(True) == pytest.approx(0.5) and policy.cost.around(False) == pytest.approx(0.1)
 
 
 def test_near_best_widths_go_to_the_longer_draft():

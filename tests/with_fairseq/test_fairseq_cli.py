@@ -164,7 +164,9 @@ def drafter_dir(workdir):
     ("interactive", ["--buffer-size", "6", "--batch-size", "6"]),
     ("generate", ["--batch-size", "7", "--max-len-a", "1", "--max-len-b", "1"]),
 ])
-def test_aggressive_decoding_same_lines_as_fairseq_greedy(workdir, drafter_dir, tool, flags, decoding):
+def test_aggressive_decoding_same_lines_as_fairseq_greedy(workdir, drafter_dir, tool, flags, decoding, flat_pass_cost):
+    """With fixed-length drafts (the CLI inherits LIGHTGEN_FIXED_DRAFTS), so that the passes do not depend on how fast
+    this machine runs the tiny model; the adaptive policy's greedy steps are tested in test_fairseq_iad.py."""
     text = "\n".join(_lines(12, 2)) + "\n" if tool == "interactive" else None
     expected, _ = _run(workdir, tool, ["--beam", "1", *flags], plugin=False, stdin=text)
     drafting = ["--lightgen-drafter", str(drafter_dir)] if decoding == "gad" else []

@@ -20,7 +20,8 @@ from fairseq.data import Dictionary  # noqa: E402
 from test_fairseq_api import VARIANTS, assert_same_hypotheses  # noqa: E402
 
 import lightgen  # noqa: E402
-from lightgen.generation.aggressive import GREEDY, Acceptance  # noqa: E402
+from lightgen.generation import aggressive  # noqa: E402
+from lightgen.generation.aggressive import GREEDY, Acceptance, FixedPassCost  # noqa: E402
 from lightgen.generation.drafting import DrafterConfig, NARDrafter, train_drafter  # noqa: E402
 from lightgen.generation.fairseq_greedy import AggressiveGenerator, encoder_for_drafting, iad_unsupported  # noqa: E402
 
@@ -168,7 +169,13 @@ def test_copy_model_same_hypotheses_as_greedy(copy_model, settings, block_size, 
 @pytest.mark.parametrize("seed, batch, length, variant", [
     (0, 1, 5, "post-norm"), (1, 3, 9, "pre-norm"), (2, 6, 12, "post-norm"), (3, 9, 4, "pre-norm"),
 ])
-def test_random_models_same_hypotheses_as_greedy(seed, batch, length, variant, step_counter):
+@pytest.mark.parametrize("cost", ["measured", "dear-drafting"])
+def test_random_models_same_hypotheses_as_greedy(seed, batch, length, variant, cost, step_counter, monkeypatch):
+    """``dear-drafting``: drafting costs more than it saves, so the loop runs plain greedy steps between probes
+    (their scores, positional ones included, from the scorer's one-position passes)."""
+    if cost == "dear-drafting":
+        monkeypatch.setattr(aggressive, "default_cost",
+                            lambda decoder, drafter: FixedPassCost(1.0, 0.01, drafting=0.3))
     model = fm.build(seed, **VARIANTS[variant])  # _both accelerates a copy: the packed LM head, as in the plugin
     sample = fm.source_batch(fm.dictionary(), batch, length, seed)
     for settings in SETTINGS[:3]:
