@@ -79,7 +79,7 @@ def test_a_decoder_only_session_shows_the_drafter_the_continuation_only(family, 
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_a_distilled_drafter_for_a_decoder_only_verifier(family, tmp_path):
+def test_a_distilled_drafter_for_a_decoder_only_verifier(family, tmp_path, flat_pass_cost):
     """A few training steps on the verifier's own continuations: right shapes, GAD still greedy's tokens at batch 1
     and 4, more tokens per pass than the untrained drafter, and the same drafts after a save/load round trip."""
     verifier = _verifier(family)
