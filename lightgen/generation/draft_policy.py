@@ -199,6 +199,7 @@ class DraftPolicy:
         self.rejected = np.zeros(rows)  # ... and of rejections
         self.totals = [0.0, 0.0]  # this call's accepted tokens and rejections, for the history
         self._probing, self._planned = False, 0
+        self._greedy_left = 0  # greedy steps still to run before planning again
         self._sizes = np.zeros(rows, dtype=np.int64)  # the worthwhile draft lengths of the last plan
         self._asked = np.zeros(rows, dtype=np.int64)  # the draft lengths the last plan asked for
         self._last_end: float | None = None  # when the last timed pass ended
@@ -211,10 +212,14 @@ class DraftPolicy:
     def plan(self, limits: torch.Tensor) -> torch.Tensor:
         """``limits`` [rows] int64 (the most each row may draft) -> how many tokens to ask the drafter for:
         the worthwhile ones, up to the pass width they would pay for (or a one-token probe). All zeros (and
-        ``drafting`` False): plain greedy steps, ``greedy_steps()`` of them."""
+        ``drafting`` False): plain greedy steps, ``greedy_steps()`` of them; until they have run, plans (after rows
+        finish) stay greedy without weighing widths again."""
+        self._probing = False
+        if self._greedy_left > 0:
+            self._planned = 0
+            return torch.zeros_like(limits)
         worthwhile = np.floor(math.log(WORTHWHILE) / np.log(self.acceptance())).clip(min=0)  # p^i >= WORTHWHILE
         self._sizes = sizes = np.minimum(limits.cpu().numpy(), worthwhile.astype(np.int64))
-        self._probing = False
         self._planned = self._best_width(sizes, drafted=False)
         if self._planned > 0:
             self.history.greedy_steps = 0
@@ -231,11 +236,14 @@ class DraftPolicy:
     def greedy_steps(self) -> int:
         """After a plan without drafts: the plain greedy steps to take before planning again (until the next
         probe is due; one while the cost line is unfitted, since each step refits it)."""
-        if not self.cost.fitted():
-            return 1
-        if not bool((self._sizes > 0).any()):
-            return LONGEST_PROBE_WAIT  # nothing worth drafting is left to probe
-        return max(1, self._probe_wait() - self.history.greedy_steps)
+        if self._greedy_left == 0:
+            if not self.cost.fitted():
+                self._greedy_left = 1
+            elif not bool((self._sizes > 0).any()):
+                self._greedy_left = LONGEST_PROBE_WAIT  # nothing worth drafting is left to probe
+            else:
+                self._greedy_left = max(1, self._probe_wait() - self.history.greedy_steps)
+        return self._greedy_left
 
     def _probe_wait(self) -> int:
         """Greedy steps between probes: enough that a probe's extra cost is PROBE_SHARE of theirs."""
@@ -289,7 +297,7 @@ class DraftPolicy:
 
     def keep(self, slots: torch.Tensor) -> None:
         slots = slots.cpu().numpy()
-        self.accepted, self.rejected = self.accepted[slots], self.rejected[slots]
+        self.accepted, self.rejected, self._sizes = self.accepted[slots], self.rejected[slots], self._sizes[slots]
 
     def timed(self, positions: int, started: float, ended: float) -> None:
         """A decoder pass over ``positions`` ran from ``started`` to ``ended`` (``time.perf_counter``), after the
@@ -304,3 +312,4 @@ class DraftPolicy:
         self.cost.observe(positions, ended - started)
         if not self.drafting:
             self.history.greedy_steps += 1
+            self._greedy_left = max(0, self._greedy_left - 1)
