@@ -66,8 +66,9 @@ class PassCost:
         self._means: dict[int, float] = {}  # per count, the faster-half mean of its times
         self._window, self._counts = window, counts
         self._line: tuple[float, float] | None = None
-        # Seconds between one pass's end and the next one's start: drafting iterations, greedy steps.
-        self._around = {True: collections.deque(maxlen=16), False: collections.deque(maxlen=16)}
+        # Seconds between one pass's end and the next one's start (drafting iterations, greedy steps) against the
+        # rows decoding: a drafter's time grows with them (the demo drafter: ~2 ms at 1 row, ~5 at 8).
+        self._around: dict[bool, PassCost] = {}
 
     def observe(self, positions: int, seconds: float) -> None:
         times = self._times.pop(positions, None) or collections.deque(maxlen=self._window)
@@ -78,13 +79,13 @@ class PassCost:
             del self._means[self._times.popitem(last=False)[0]]
         self._line = None
 
-    def observe_around(self, drafting: bool, seconds: float) -> None:
-        self._around[drafting].append(seconds)
+    def observe_around(self, drafting: bool, rows: int, seconds: float) -> None:
+        self._around.setdefault(drafting, PassCost(self._window, self._counts)).observe(rows, seconds)
 
-    def around(self, drafting: bool) -> float:
-        """Seconds an iteration costs outside the decoder's pass (the faster half's mean; 0 before any)."""
-        times = self._around[drafting]
-        return _faster_half_mean(times) if times else 0.0
+    def around(self, drafting: bool, rows: int) -> float:
+        """Seconds an iteration over ``rows`` costs outside the decoder's pass (0 before any was seen)."""
+        line = self._around.get(drafting)
+        return float(line(rows)) if line is not None else 0.0
 
     def fitted(self) -> bool:
         """Whether the line rests on two position counts or more."""
@@ -132,10 +133,10 @@ class FixedPassCost(PassCost):
     def observe(self, positions: int, seconds: float) -> None:
         pass
 
-    def observe_around(self, drafting: bool, seconds: float) -> None:
+    def observe_around(self, drafting: bool, rows: int, seconds: float) -> None:
         pass
 
-    def around(self, drafting: bool) -> float:
+    def around(self, drafting: bool, rows: int) -> float:
         return self._drafting if drafting else 0.0
 
     def fitted(self) -> bool:
@@ -248,8 +249,8 @@ class DraftPolicy:
     def _probe_wait(self) -> int:
         """Greedy steps between probes: enough that a probe's extra cost is PROBE_SHARE of theirs."""
         rows = self._sizes.shape[0]
-        greedy = float(self.cost(rows)) + self.cost.around(False)
-        probe = float(self.cost(2 * rows)) + self.cost.around(True)
+        greedy = float(self.cost(rows)) + self.cost.around(False, rows)
+        probe = float(self.cost(2 * rows)) + self.cost.around(True, rows)
         if not self.cost.fitted() or greedy <= 0:
             return FIRST_PROBE_WAIT
         return int(min(max(math.ceil((probe - greedy) / (PROBE_SHARE * greedy)), FIRST_PROBE_WAIT),
@@ -274,9 +275,10 @@ class DraftPolicy:
         places = np.arange(1, longest + 1)
         expected = (self.acceptance()[:, None] ** places) * (places <= lengths[:, None])
         tokens = np.concatenate([[0.0], expected.sum(0).cumsum()]) + rows  # K = 0..longest
-        seconds = self.cost(rows * (1 + np.arange(longest + 1))) + self.cost.around(True)
+        drafting = self.cost.around(True, rows)
+        seconds = self.cost(rows * (1 + np.arange(longest + 1))) + drafting
         if not drafted:
-            seconds[0] += self.cost.around(False) - self.cost.around(True)
+            seconds[0] += self.cost.around(False, rows) - drafting
         rate = tokens / seconds
         # The widest K within RATE_TOLERANCE of the best: flat costs (no evidence yet) keep drafts whole, and where
         # the text is copied, acceptance runs longer than the geometric p^i expects, so near-ties go to the longer.
@@ -307,7 +309,7 @@ class DraftPolicy:
         pass, ~0.3 ms of it Python around it) looked dearer per position than it is, and IAD drafted 4.9-5.2
         tokens a pass instead of 6.15 (slower)."""
         if self._last_end is not None:
-            self.cost.observe_around(self.drafting, started - self._last_end)
+            self.cost.observe_around(self.drafting, self.accepted.shape[0], started - self._last_end)
         self._last_end = ended
         self.cost.observe(positions, ended - started)
         if not self.drafting:

@@ -138,7 +138,7 @@ def _simulate(policy, limits, passes, accepted_share, clock):
         rows = limits.shape[0]
         for _ in range(steps):
             planned.append(width)
-            seconds = float(policy.cost(rows * (1 + width))) + policy.cost.around(policy.drafting)
+            seconds = float(policy.cost(rows * (1 + width))) + policy.cost.around(policy.drafting, rows)
             policy.timed(rows * (1 + width), clock[0] + seconds - float(policy.cost(rows * (1 + width))),
                          clock[0] + seconds)
             clock[0] += seconds
@@ -343,7 +343,11 @@ def test_pass_cost_prices_the_time_around_a_pass_per_pass():
     assert not policy.drafting
     policy.timed(1, 11.6, 11.7)  # a greedy step 0.1 s after the pass
     assert [list(times) for times in policy.cost._times.values()] == [[0.5, 0.5], pytest.approx([0.1])]
-    assert policy.cost.around(True) == pytest.approx(0.5) and policy.cost.around(False) == pytest.approx(0.1)
+    assert policy.cost.around(True, 1) == pytest.approx(0.5) and policy.cost.around(False, 1) == pytest.approx(0.1)
+    cost = PassCost()  # a drafter's time grows with the rows it drafts for
+    cost.observe_around(True, 1, 0.002)
+    cost.observe_around(True, 8, 0.005)
+    assert cost.around(True, 4) == pytest.approx(0.002 + 3 * 0.003 / 7) and cost.around(False, 4) == 0.0
 
 
 def test_near_best_widths_go_to_the_longer_draft():
