@@ -51,8 +51,8 @@ class PassCost:
     seconds around a pass: an iteration that drafts and one that is a plain greedy step.
 
     Per position count the mean of the faster half of its last few times, then a least-squares line
-    ``a + b * positions`` through them; with fewer than two counts seen, every pass costs the same (the
-    policy then drafts in full, as fixed-length drafting did, and so sees more widths). Why the faster
+    ``a + b * positions`` through them; with none seen, every pass costs the same (the policy then drafts in
+    full, as fixed-length drafting did, and so sees more widths). Why the faster
     half: load only adds time, and dropping the slower half drops its spikes; but the counts are seen
     unequally often (the policy soon stops drafting wide: a wide count keeps one or two times while the
     greedy width keeps a full window), and the minimum of many loaded times is lower than that of two,
