@@ -237,7 +237,7 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
     while True:
         width = drafts.shape[1]
         accepted = acceptance.accepted(logits, best, drafts).cumprod(-1).sum(-1)  # [rows]
-        if width:
+        if policy.drafting:  # a pass whose asks all came back empty still tells how often drafts are found
             policy.observe((drafts >= 0).sum(-1), accepted)
         places = torch.arange(width + 1, device=device)
         # A row adds its accepted draft tokens and the verifier's token after them ...

@@ -12,7 +12,7 @@ from models import SEQ2SEQ
 
 from lightgen.generation import aggressive
 from lightgen.generation.aggressive import CopyFromInput, find_anchor
-from lightgen.generation.draft_policy import AcceptanceHistory, DraftPolicy, FixedPassCost, PassCost
+from lightgen.generation.draft_policy import PRIOR_RANGE, AcceptanceHistory, DraftPolicy, FixedPassCost, PassCost
 from lightgen.modules.decoder import Decoder
 from tests.generation.test_gad import _greedy, _oracle
 
@@ -234,6 +234,30 @@ def test_flat_cost_drafts_in_full_and_rows_are_their_own():
     assert sizes[0] <= 2 and sizes[1] == 16 and policy.width(sizes) == 16
     policy.keep(torch.tensor([1]))
     assert policy.acceptance().shape == (1,) and float(policy.acceptance()[0]) == float(p[1])
+
+
+def test_asks_that_find_no_draft_lower_the_rate_not_the_acceptance():
+    """A drafter that keeps finding nothing (IAD without an anchor) makes drafting iterations not worth their price,
+    while the length of a draft it does find still follows acceptance; a row not asked learns nothing."""
+    history = AcceptanceHistory()
+    policy = DraftPolicy(2, FixedPassCost(drafting=0.7), history)  # drafting costs 0.7 of a pass
+    assert policy.plan(torch.tensor([8, 0])).tolist() == [7, 0] and policy.drafting
+    p, found = policy.acceptance().copy(), policy.availability().copy()
+    for _ in range(12):
+        assert policy.width(torch.tensor([0, 0])) == 0
+        policy.observe(torch.tensor([0, 0]), torch.tensor([0, 0]))
+    assert policy.acceptance().tolist() == p.tolist()
+    assert float(policy.availability()[0]) < 0.34 and float(policy.availability()[1]) == float(found[1]) == 1.0
+    assert policy.plan(torch.tensor([8, 0])).tolist() == [0, 0] and not policy.drafting
+    policy.observe(torch.tensor([0, 0]), torch.tensor([0, 0]))  # a greedy step asked nothing
+    assert float(policy.availability()[0]) < 0.34 and policy.totals[2:] == [0.0, 12.0]
+    policy.finish()
+    assert history.availability_prior()[0] == pytest.approx(PRIOR_RANGE[0])  # a new row starts from it
+    # Drafts found again and accepted: the rate pays for drafting again.
+    policy = DraftPolicy(1, FixedPassCost(drafting=0.7), history)
+    policy.accepted = np.array([6.0])
+    policy.found = np.array([6.0])
+    assert policy.plan(torch.tensor([8])).tolist() == [8]
 
 
 def test_new_rows_start_from_what_earlier_calls_accepted():
