@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import threading
 import warnings
@@ -132,23 +133,14 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
                    if kwargs.get(name) is not None and kwargs.get(name) is not False), None)
     if reason is None and kwargs.get("cache_implementation") in HF_ONLY_CACHE_IMPLEMENTATIONS:
         reason = f"cache_implementation='{kwargs['cache_implementation']}' is not supported by lightgen's engine"
-    # lightgen's decoder reads weights directly, so it would skip hooks on the model's modules (HF's output
-    # recorders aside: the engine returns attentions and hidden states itself).
-    hooked = None if reason else next((name for name, module in model.named_modules()
-                                       if skips_hooks(module, output_recorders=False)), None)
-    if hooked is not None:
-        kind = "accelerate hooks (offloaded or dispatched weights)" if "_hf_hook" in vars(
-            model.get_submodule(hooked)) else "forward hooks"
-        reason = f"module '{hooked or type(model).__name__}' carries {kind}"
-    dropout = None if reason else _active_dropout(model)
-    if dropout is not None:  # HF's loop applies it; lightgen's decoder runs inference only
-        reason = f"module '{dropout}' applies dropout in train() mode (call model.eval() for lightgen's engine)"
+    reason = reason or _modules_refusal(model)
     if reason is not None:
         return unaccelerated_generate(model, inputs, generation_config, reason=reason, decoding=decoding,
                                       max_draft=max_draft, draft_ids=draft_ids, drafter=drafter,
                                       block_size=block_size, beta=beta, tau=tau, **kwargs)
     # HF hands a streamer only to its own loops; it still streams the prompt itself.
     decode = functools.partial(lightgen_decode, aggressive=aggressive, streamer=kwargs.get("streamer"))
+    decode.__signature__ = _decode_signature()  # HF reads it every call: ~0.1 ms to derive from a partial
     _deferred.pending = True
     try:
         with cached_cpu_memory():
@@ -179,18 +171,34 @@ def unaccelerated_generate(model: nn.Module, inputs=None, generation_config=None
 _DROPOUT_ATTRIBUTES = ("dropout", "attention_dropout", "activation_dropout", "layerdrop")
 
 
-def _active_dropout(model: nn.Module) -> str | None:
-    """The first module in train() mode with a nonzero dropout (nn.Dropout, or the float rates HF's modules
-    pass to F.dropout), or None."""
+def _modules_refusal(model: nn.Module) -> str | None:
+    """Why the model's modules keep it off the engine, in one walk over them (every call pays it), or None.
+    lightgen's decoder reads weights directly, so it would skip hooks on them (HF's output recorders aside: the
+    engine returns attentions and hidden states itself); and it runs inference only, so dropout in train() mode
+    (nn.Dropout, or the float rates HF's modules pass to F.dropout) needs HF's loop."""
+    dropout = None
     for name, module in model.named_modules():
-        if not module.training:
-            continue
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            if module.p > 0:
-                return name or type(model).__name__
-        elif any(isinstance(rate, float) and rate > 0 for rate in map(vars(module).get, _DROPOUT_ATTRIBUTES)):
-            return name or type(model).__name__
+        name = name or type(model).__name__
+        if skips_hooks(module, output_recorders=False):
+            kind = "accelerate hooks (offloaded or dispatched weights)" if "_hf_hook" in vars(module) else \
+                "forward hooks"
+            return f"module '{name}' carries {kind}"
+        if dropout is None and module.training and _applies_dropout(module):
+            dropout = name
+    if dropout is not None:
+        return f"module '{dropout}' applies dropout in train() mode (call model.eval() for lightgen's engine)"
     return None
+
+
+def _applies_dropout(module: nn.Module) -> bool:
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    return any(isinstance(rate, float) and rate > 0 for rate in map(vars(module).get, _DROPOUT_ATTRIBUTES))
+
+
+@functools.cache
+def _decode_signature() -> inspect.Signature:
+    return inspect.signature(functools.partial(lightgen_decode, aggressive=None, streamer=None))
 
 
 def _greedy_call(model, generation_config, kwargs) -> bool:
