@@ -222,7 +222,7 @@ class DraftPolicy:
         self._greedy_left = 0  # greedy steps still to run before planning again
         self._sizes = np.zeros(rows, dtype=np.int64)  # the worthwhile draft lengths of the last plan
         self._asked = np.zeros(rows, dtype=np.int64)  # the draft lengths the last plan asked for
-        self._found = np.zeros(rows, dtype=bool)  # the rows whose asks found a draft
+        self._found = np.zeros(rows, dtype=bool)  # the rows whose asks found a draft (set by ``width``)
         self._last_end: float | None = None  # when the last timed pass ended
 
     def acceptance(self) -> np.ndarray:
@@ -245,7 +245,6 @@ class DraftPolicy:
         ``drafting`` False): plain greedy steps, ``greedy_steps()`` of them; until they have run, plans (after rows
         finish) stay greedy without weighing widths again."""
         self._probing = False
-        self._found = np.zeros(limits.shape[0], dtype=bool)
         if self._greedy_left > 0:
             self._planned = 0
             return torch.zeros_like(limits)
