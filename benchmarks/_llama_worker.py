@@ -8,7 +8,12 @@ Greedy decoding of a batch: every row is a sequence of its own in one llama_batc
 token per row and step), the argmax of each row's logits in NumPy, exactly ``new_tokens`` new tokens (EOS is
 not treated as an end, as min_new_tokens does on the other providers).
 
-Requests (benchmarks/_worker_loop.py): ("load", gguf_path, threads, context, rows) -> None;
+llama.cpp's AMX build (on Xeons with AMX-INT8; GGML_NATIVE turns it on) repacks the Q4_1 linears into an extra
+buffer type whose llama_decode crashes (SIGSEGV) on any batch of more than one token in 0.3.36 (seen on a 2-core
+Sapphire-Rapids-class VM: prompts of 2, 8 and 32 tokens), so there the worker loads without extra buffer types
+and says so in its load reply; one token at a time the AMX path ran 8.0-8.7 ms a token against 12.0-12.9 without.
+
+Requests (benchmarks/_worker_loop.py): ("load", gguf_path, threads, context, rows) -> llama.cpp's settings of note;
 ("generate", token_rows, new_tokens) -> new token ids.
 """
 
@@ -23,11 +28,18 @@ from _worker_loop import serve
 QUIET = llama_cpp.llama_log_callback(lambda level, text, data: None)
 
 
+def amx_build() -> bool:
+    return "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode()
+
+
 class Greedy:
     def __init__(self, path: str, threads: int, context: int, rows: int):
         llama_cpp.llama_log_set(QUIET, ctypes.c_void_p())
         llama_cpp.llama_backend_init()
-        self.model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.use_extra_bufts = not amx_build()
+        self.settings = {"extra_buffer_types": bool(model_params.use_extra_bufts), "amx": amx_build()}
+        self.model = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
         params = llama_cpp.llama_context_default_params()
@@ -76,7 +88,7 @@ def main() -> None:
         nonlocal runner
         if request[0] == "load":
             runner = Greedy(*request[1:])
-            return None
+            return runner.settings
         return runner.generate(*request[1:])
 
     serve(handle)

@@ -47,7 +47,7 @@ class LlamaCppGenerate:
         self.runs = lambda batch, decoding: decoding.name == GREEDY.name
         self.worker = WorkerProcess("_llama_worker.py")
         try:
-            self.worker.request("load", str(path), torch.get_num_threads(), context, rows)
+            self.settings = self.worker.request("load", str(path), torch.get_num_threads(), context, rows)
         except RuntimeError:
             self.worker.stop()
             raise
@@ -70,7 +70,9 @@ def markdown(env: dict, bandwidth: float, read_mb: dict[str, float], results: li
     lines = ["## lightgen vs llama.cpp on the same GGUF (SmolLM2-135M-Instruct)", "", *machine_lines(env),
              f"- greedy, {PROMPT_TOKENS}-token random prompts, exactly {env['new_tokens']} new tokens; read bandwidth "
              f"{bandwidth:.1f} GB/s; MB read a step: "
-             + ", ".join(f"{name} {mb:,.0f}" for name, mb in read_mb.items()), "",
+             + ", ".join(f"{name} {mb:,.0f}" for name, mb in read_mb.items()),
+             *(["- llama.cpp without its extra buffer types: its AMX repack crashes on multi-token batches "
+                "(benchmarks/_llama_worker.py)"] if not env["llama_cpp"]["extra_buffer_types"] else []), "",
              "| batch | ms/step " + " / ".join(names) + " | lightgen " + " / ".join(QUANTIZED)
              + " vs llama.cpp | share of the bandwidth limit (batch 1) | tokens = HF fp32 |",
              "|--:|--:|--:|---|---|"]
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         llama.stop()  # waited for, so the worker's CPU time counts as ours in the contention share
     contention.record(env)
+    env["llama_cpp"] = llama.settings
     print(markdown(env, bandwidth, read_mb, results))
     payload = {"environment": env, "settings": dataclasses.asdict(settings), "read_bandwidth_gb_s": bandwidth,
                "read_mb_per_step": read_mb, "results": [result.summary() for result in results]}
