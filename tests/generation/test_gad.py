@@ -78,6 +78,20 @@ def test_drafting_on_the_kernels_equals_the_module(encoder_layers, seed):
     torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)
 
 
+def test_a_session_makes_the_cross_keys_and_values_at_its_first_draft_only(monkeypatch):
+    """A call whose policy never drafts (drafts that do not pay) costs no drafter work beyond its start."""
+    drafter = _random_drafter(3)
+    layers = drafter.drafting_layers()
+    made = []
+    original = layers.cross_keys_values
+    monkeypatch.setattr(layers, "cross_keys_values", lambda memory: made.append(1) or original(memory))
+    session = drafter.start([[5, 6, 7, 8], [9, 10]])
+    assert made == []
+    first = session.draft([0, 1], [[2], [2, 4]], [3, 3])
+    assert session.draft([0, 1], [[2], [2, 4]], [3, 3]) == first and len(made) == 1
+    assert session.draft([1], [[2, 4]], [3]) == first[1:] and len(made) == 1
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_causal_prefix_drafting_from_its_cache_equals_the_module(seed):
     """A ``causal_prefix`` drafter drafts from cached keys/values of the output so far: over successive
