@@ -37,8 +37,9 @@ class Greedy:
         llama_cpp.llama_log_set(QUIET, ctypes.c_void_p())
         llama_cpp.llama_backend_init()
         model_params = llama_cpp.llama_model_default_params()
-        model_params.use_extra_bufts = not amx_build()
-        self.settings = {"extra_buffer_types": bool(model_params.use_extra_bufts), "amx": amx_build()}
+        amx = amx_build()
+        model_params.use_extra_bufts = not amx
+        self.settings = {"extra_buffer_types": not amx, "amx": amx}
         self.model = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
