@@ -1,6 +1,6 @@
 """Benchmark lightgen's CPU kernels against the PyTorch code they replace, plus a BART forward.
 
-    python benchmarks/op_kernels.py [--quick] [--out benchmarks/results]
+    python benchmarks/op_kernels.py [--quick] [--ops PREFIX ...] [--out benchmarks/results]
 
 Each op is timed three ways: the lightgen kernel; the eager composite a Hugging Face model runs
 today; and the single native ATen op, where one exists that is not already the composite. Every
@@ -191,7 +191,7 @@ def prefill_attention_case(batch: int, length: int) -> Case:
 
 
 def attention_cases() -> list[Case]:
-    decode = [decode_attention_case(batch, past) for batch in (1, 8) for past in (64, 256)]
+    decode = [decode_attention_case(batch, past) for batch in (1, 8) for past in (64, 256, 1024)]
     return decode + [prefill_attention_case(8, length) for length in (64, 128)]
 
 
@@ -305,15 +305,21 @@ def draw_chart(plt, env: dict, rows: list[Row]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    args, env = start_run(__doc__, "kernels", "fewer samples and a 2+2-layer model (< 40 s)", argv)
+    def options(parser):
+        parser.add_argument("--ops", nargs="+", metavar="PREFIX",
+                            help="only the op cases whose names start with one of these (and no BART forward)")
+
+    args, env = start_run(__doc__, "kernels", "fewer samples and a 2+2-layer model (< 40 s)", argv, options)
     settings = QUICK if args.quick else FULL
 
     with torch.no_grad():
-        cases = all_cases()
-        print(f"checking and timing {len(cases)} op cases and a BART forward...", file=sys.stderr)
+        cases = [case for case in all_cases() if not args.ops or case.op.startswith(tuple(args.ops))]
+        print(f"checking and timing {len(cases)} op cases{'' if args.ops else ' and a BART forward'}...",
+              file=sys.stderr)
         contention = ContentionMeter()
         rows = [check_and_time(case, settings) for case in cases]
-        rows.append(model_row(settings))
+        if not args.ops:
+            rows.append(model_row(settings))
         contention.record(env)
 
     print(markdown(env, settings, rows))

@@ -19,6 +19,10 @@ CASES = [  # batch, q_heads, kv_heads, q_len, max_len, dim
     (3, 4, 2, 1, 17, 32),
     (2, 4, 1, 5, 23, 16),
     (4, 6, 3, 7, 40, 24),
+    # head sizes over and between the kernel's register blocks of values, long enough to split over threads
+    (1, 4, 2, 1, 300, 80),
+    (2, 6, 2, 3, 700, 128),
+    (1, 2, 1, 2, 90, 200),
 ]
 
 
