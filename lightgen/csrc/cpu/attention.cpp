@@ -82,8 +82,10 @@ inline void weigh_values(const float* p, int64_t first, int64_t last, const scal
   for (int64_t c = 0; c < kValueVecs; ++c) sums[c].store(acc + c * fVec::size());
 }
 
-// Fork/join costs ~2-3 us on 2 threads: a task runs alone below this many key values (keys x head_dim) a chunk.
-constexpr int64_t kAttendGrain = 65536;
+// Tasks of at least this many key values (keys x head_dim) a chunk. A decode step finds its K/V cold (a step's weights
+// went through the caches since), so even a short cache is worth two threads' memory streams: SmolLM2's int8 step,
+// 33 keys, ~11.7 / 12.7 us a layer's attention at 8192 / 65536 (two threads / one).
+constexpr int64_t kAttendGrain = 8192;
 
 template <typename scalar_t>
 void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& key_len,
