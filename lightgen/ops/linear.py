@@ -149,7 +149,9 @@ def quantize_grouped(weight: torch.Tensor, bits: int, group_size: int, zero_poin
     int8: symmetric, scale = max |w| / 127 per group. int4 symmetric (Q4_0's rule): the value of largest
     magnitude maps to -8, so 16 levels are used. With ``zero_points`` (Q4_1's rule) each group's min maps to
     the lowest level and its max to the highest (15; int8: 255, stored as u - 128 with the shift folded into
-    the offset, so the kernel reads int8 either way).
+    the offset, so the kernel reads int8 either way). int4's scales and offsets are float16, as Q4_0 / Q4_1 store
+    them (float32: a third of int4's bytes; a Q4_1 file's own grid is kept exactly), rounded before the weights
+    are, which are then rounded to them; a weight whose groups do not fit float16's range keeps float32.
     """
     if bits not in (4, 8) or group_size < 1 or (bits == 4 and group_size % 2):
         raise ValueError(f"quantize_grouped: unsupported bits={bits}, group_size={group_size}, "
@@ -160,27 +162,8 @@ def quantize_grouped(weight: torch.Tensor, bits: int, group_size: int, zero_poin
     padded = weight.new_zeros(out_features, groups * span)
     padded[:, :in_features] = weight
     blocks = padded.view(out_features, groups, span)
-    tiny = torch.finfo(torch.float32).tiny
-    offset = None
-    if zero_points:
-        # Padding zeros outside the weight must not widen the last group's range.
-        valid = (torch.arange(groups * span) < in_features).view(groups, span)
-        low = torch.where(valid, blocks, torch.inf).amin(dim=2)
-        high = torch.where(valid, blocks, -torch.inf).amax(dim=2)
-        levels = (1 << bits) - 1
-        scale = ((high - low) / levels).clamp_min(tiny)
-        u = torch.round((blocks - low[..., None]) / scale[..., None]).clamp_(0, levels)
-        if bits == 8:
-            q, offset = (u - 128).to(torch.int8), low + 128 * scale
-        else:
-            q, offset = u.to(torch.uint8), low
-    elif bits == 8:
-        scale = blocks.abs().amax(dim=2).clamp_min(tiny) / 127.0
-        q = torch.round(blocks / scale[..., None]).clamp_(-127, 127).to(torch.int8)
-    else:
-        extreme = blocks.gather(2, blocks.abs().argmax(dim=2, keepdim=True))[..., 0]
-        scale = torch.where(extreme == 0, tiny, extreme / -8.0)
-        q = (torch.round(blocks / scale[..., None]).clamp_(-8, 7) + 8).to(torch.uint8)
+    quantized = _quantize_blocks(blocks, in_features, bits, zero_points, torch.float16) if bits == 4 else None
+    q, scale, offset = quantized or _quantize_blocks(blocks, in_features, bits, zero_points, torch.float32)
     q = q.view(out_features, -1)[:, :in_features]
     if bits == 4:
         if in_features % 2:
@@ -188,6 +171,43 @@ def quantize_grouped(weight: torch.Tensor, bits: int, group_size: int, zero_poin
         q = q[:, 0::2] | (q[:, 1::2] << 4)
     # [N, G] per-group values are laid out as panels too: [ceil(N / 64), G, 64].
     return pack_panels(q), pack_panels(scale), None if offset is None else pack_panels(offset)
+
+
+def _quantize_blocks(blocks: torch.Tensor, in_features: int, bits: int, zero_points: bool, dtype: torch.dtype):
+    """Blocks [N, G, span] -> (q [N, G, span], scale [N, G], offset [N, G] or None), the scales and offsets in
+    ``dtype`` and q rounded to them; None where a group's scale or offset does not fit ``dtype``."""
+    # The smallest scale: float32's smallest normal, float16's smallest subnormal (a scale rounded coarsely there
+    # still leaves q rounded to it).
+    tiny = torch.finfo(torch.float32).tiny if dtype == torch.float32 else 2.0 ** -24
+    offset = None
+    if zero_points:
+        # Padding zeros outside the weight must not widen the last group's range.
+        groups, span = blocks.shape[1:]
+        valid = (torch.arange(groups * span) < in_features).view(groups, span)
+        low = torch.where(valid, blocks, torch.inf).amin(dim=2)
+        high = torch.where(valid, blocks, -torch.inf).amax(dim=2)
+        levels = (1 << bits) - 1
+        scale = ((high - low) / levels).clamp_min(tiny).to(dtype)
+        if bits == 8:
+            low = low.to(dtype)
+        else:
+            low = offset = low.to(dtype)
+        u = torch.round((blocks - low.float()[..., None]) / scale.float()[..., None]).clamp_(0, levels)
+        if bits == 8:
+            q, offset = (u - 128).to(torch.int8), low + 128 * scale
+        else:
+            q = u.to(torch.uint8)
+    elif bits == 8:
+        scale = (blocks.abs().amax(dim=2).clamp_min(tiny) / 127.0).to(dtype)
+        q = torch.round(blocks / scale.float()[..., None]).clamp_(-127, 127).to(torch.int8)
+    else:
+        extreme = blocks.gather(2, blocks.abs().argmax(dim=2, keepdim=True))[..., 0]
+        # Negative, so that the extreme maps to -8; at least tiny in magnitude.
+        scale = -(extreme.abs() / 8.0).clamp_min(tiny).to(dtype) * torch.where(extreme < 0, -1.0, 1.0).to(dtype)
+        q = (torch.round(blocks / scale.float()[..., None]).clamp_(-8, 7) + 8).to(torch.uint8)
+    if not all(t.isfinite().all() for t in (scale, offset) if t is not None):
+        return None
+    return q, scale, offset
 
 
 def dequantize_grouped(weight, scale, offset, group_size, in_features, out_features) -> torch.Tensor:
@@ -199,7 +219,7 @@ def dequantize_grouped(weight, scale, offset, group_size, in_features, out_featu
 
     def per_weight(per_group):
         span = min(group_size, in_features)
-        return unpack_panels(per_group, out_features).repeat_interleave(span, dim=1)[:, :in_features]
+        return unpack_panels(per_group, out_features).float().repeat_interleave(span, dim=1)[:, :in_features]
 
     if offset is not None:
         return q * per_weight(scale) + per_weight(offset)
@@ -246,12 +266,12 @@ def linear_int8_dynamic_ref(x, weight, scale, offset, sums, bias, act, out_featu
     groups = a.shape[1]
     q = F.pad(unpack_int8_dot(weight, in_features, out_features).float(), (0, groups * group_size - in_features))
     dots = torch.einsum("mgk,ngk->mng", a, q.view(out_features, groups, group_size))  # integers, exact in fp32
-    per_group = unpack_panels(scale, out_features)  # [N, G]
+    per_group = unpack_panels(scale, out_features).float()  # [N, G]
     y = (dots * step[:, None, :] * per_group).sum(dim=2)
     if offset is not None:
         if weight.dtype == torch.uint8:
             total = step * a.sum(dim=2)
-        y = y + total @ unpack_panels(offset, out_features).t()
+        y = y + total @ unpack_panels(offset, out_features).float().t()
     if bias is not None:
         y = y + bias
     return _activation(act)(y).view(*x.shape[:-1], out_features)

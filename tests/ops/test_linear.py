@@ -462,3 +462,58 @@ def test_dynamic_weights_choose_the_kernel_by_rows(monkeypatch, precision, min_r
         assert torch.equal(dynamic.run(x, bias), expected), rows
     monkeypatch.setenv("LIGHTGEN_INT8_DOT_KERNEL", "portable")
     assert packed_weights(weight, f"{precision}-dynamic").dot is None
+
+
+@pytest.mark.parametrize("zero_points", [True, False])
+def test_int4_scales_are_float16_and_the_weights_rounded_to_them(zero_points):
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(70, 96, generator=gen) * torch.logspace(-7, 1, 96)  # groups from ~1e-7 up to ~10
+    packed, scale, offset = quantize_grouped(weight, 4, 32, zero_points)
+    assert scale.dtype == torch.float16 and (offset is None or offset.dtype == torch.float16)
+    assert quantize_grouped(weight, 8, 32, zero_points)[1].dtype == torch.float32  # int8 keeps float32
+    restored = dequantize_grouped(packed, scale, offset, 32, 96, 70)
+    # Half a step of the float16 grid from each weight (a step: the group's float16 scale); symmetric, a whole one
+    # for the values opposite the extreme (Q4_0's +8 is clamped to 7).
+    step = unpack_panels(scale, 70).float().abs().repeat_interleave(32, dim=1)
+    assert ((restored - weight).abs() <= step * (0.5 if zero_points else 1.0) * (1 + 1e-3)).all()
+
+
+def test_int4_groups_beyond_float16_keep_float32_scales():
+    weight = torch.randn(8, 64)
+    weight[3, 5] = 1e6  # a range float16 cannot hold
+    packed, scale, offset = quantize_grouped(weight, 4, 32, True)
+    assert scale.dtype == torch.float32 and offset.dtype == torch.float32
+    restored = dequantize_grouped(packed, scale, offset, 32, 64, 8)
+    assert restored[3, 5] == pytest.approx(1e6, rel=1e-6)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("zero_points", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_float16_scales_give_the_bits_of_their_float32_values(monkeypatch, kernel, zero_points, rows):
+    """The kernels widen float16 scales and offsets exactly: the same weights with them as float32 give the same
+    bits, weight-only and, with zero points, with int8 activations."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 72, generator=gen), torch.randn(100, 72, generator=gen)
+    q, scale, offset = quantize_grouped(weight, 4, 8, zero_points)
+    assert scale.dtype == torch.float16
+    widened = [None if t is None else t.float() for t in (scale, offset)]
+    torch.testing.assert_close(ops.linear_grouped(x, q, scale, offset, None, "none", 100, 8),
+                               ops.linear_grouped(x, q, *widened, None, "none", 100, 8), atol=0, rtol=0)
+    if zero_points:
+        _kernel(monkeypatch, kernel)
+        dot, sums = pack_int8_dot(q, 8, 72)
+        got = ops.linear_int8_dynamic(x, dot, scale, offset, sums, None, "none", 100, 8)
+        torch.testing.assert_close(got, ops.linear_int8_dynamic(x, dot, *widened, sums, None, "none", 100, 8),
+                                   atol=0, rtol=0)
+        torch.testing.assert_close(got, ops.linear_int8_dynamic_ref(x, dot, scale, offset, sums, None, "none", 100, 8),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_scale_and_offset_types_raise_named_errors():
+    x = torch.randn(2, 16)
+    q, scale, offset = quantize_grouped(torch.randn(8, 16), 4, 4, True)
+    with pytest.raises(RuntimeError, match="'offset' must be a float16 tensor of shape \\[1, 4, 64\\] on cpu"):
+        ops.linear_grouped(x, q, scale, offset.float(), None, "none", 8, 4)
+    with pytest.raises(RuntimeError, match="'offset' must be a float32 tensor of shape \\[1, 4, 64\\] on cpu"):
+        ops.linear_grouped(x, q, scale.float(), offset, None, "none", 8, 4)

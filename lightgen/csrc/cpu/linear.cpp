@@ -30,6 +30,7 @@ using at::Tensor;
 inline float widen(float w) { return w; }
 inline float widen(int8_t w) { return static_cast<float>(w); }
 inline float widen(c10::BFloat16 w) { return static_cast<float>(w); }
+inline float widen(c10::Half w) { return static_cast<float>(w); }
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // out[0..3] = the lane sums of h[0..3], three horizontal adds for all four instead of four reductions.
@@ -53,6 +54,7 @@ struct Lanes {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
+  static V load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   // 16 bytes of two 4-bit values each: low nibbles -> *lo, high nibbles -> *hi.
   static void load_nibbles(const uint8_t* p, V* lo, V* hi) {
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -83,6 +85,7 @@ struct Lanes {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
+  static V load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static void load_nibbles(const uint8_t* p, V* lo, V* hi) {
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     *lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
@@ -333,6 +336,8 @@ struct PanelJob {
   int64_t n = 0, group_size = 0, groups = 0;
   const float* scale = nullptr;  // packed: per column, in the epilogue; group-wise: [P, G, kPanel]
   const float* offset = nullptr;  // group-wise with zero points: [P, G, kPanel]
+  const c10::Half* half_scale = nullptr;  // group-wise, stored as float16 (int4): in place of scale / offset
+  const c10::Half* half_offset = nullptr;
   const float* x_sums = nullptr;  // group sums: each row's sum of x per group [M, G] (run_panels, once a call)
   const QuantizedRows* rows = nullptr;  // int8 activations: x rounded (w in the dot layout, grouped)
   const int32_t* sums = nullptr;  // their int8 weights' group sums [P, G, kPanel]
@@ -384,7 +389,7 @@ void run_panels(const float* x, int64_t m, int64_t k_len, const PanelJob* given,
   std::vector<int64_t> summed_sizes;
   x_sums.reserve(count);
   for (PanelJob& job : jobs) {
-    if (!job.grouped || !(job.nibbles || job.offset)) continue;
+    if (!job.grouped || !(job.nibbles || job.offset || job.half_offset)) continue;
     auto same = std::find(summed_sizes.begin(), summed_sizes.end(), job.group_size);
     if (same == summed_sizes.end()) {
       std::vector<float> sums(m * job.groups);
@@ -441,10 +446,12 @@ inline void prefetch_ahead(const void* row) { __builtin_prefetch(static_cast<con
 // sums live in y (L1) instead of registers, which then hold the group's partial sums alone (with both in registers
 // the compiler spilled the widened weights in the inner loop; int4, AVX2, SmolLM2's step shapes, 1 thread,
 // interleaved: 1 / 2 / 8 rows 13.7 / 12.9 / 36.4 -> 12.7 / 11.5 / 35.3 ms). ``x_sums``: each row's group sums of x
-// (read for int4 and for int8 with zero points only).
-template <int64_t rows, bool nibbles>
+// (read for int4 and for int8 with zero points only). ``scale`` / ``offset``: float, or float16 (int4's) widened as
+// they are loaded, in step with the weights' stream (widened into a buffer before each panel instead, the scales'
+// separate read cost more than their halved bytes saved: SmolLM2 int4 step 5.75 -> 6.28 ms).
+template <int64_t rows, bool nibbles, typename S>
 inline void grouped_tile(const float* x, int64_t ld_x, const uint8_t* w, int64_t k_len, int64_t group_size,
-                         const float* scale, const float* offset, const float* x_sums, int64_t groups, float* y,
+                         const S* scale, const S* offset, const float* x_sums, int64_t groups, float* y,
                          int64_t ld_y) {
   constexpr int64_t kTileVecs = group_sum_vecs<rows, nibbles>(), kTileCols = kTileVecs * Lanes::size;
   for (int64_t c0 = 0; c0 < kPanel; c0 += kTileCols) {
@@ -496,19 +503,41 @@ inline void grouped_tile(const float* x, int64_t ld_x, const uint8_t* w, int64_t
   }
 }
 
+// A dot-layout panel's group scales and offsets [G, kPanel] as float: in place, or float16 ones widened into this
+// thread's buffer (int4-dynamic; grouped_tile widens them as it loads them instead).
+struct PanelScales {
+  const float* scale;
+  const float* offset;
+};
+PanelScales panel_scales(const PanelJob& job, int64_t panel) {
+  const int64_t len = job.groups * kPanel, at = panel * len;
+  if (!job.half_scale) return {job.scale + at, job.offset ? job.offset + at : nullptr};
+  thread_local std::vector<float> widened;
+  widened.resize(2 * len);
+  auto widen_into = [&](const c10::Half* from, float* to) {
+    for (int64_t i = 0; i < len; i += Lanes::size) Lanes::store(to + i, Lanes::load(from + i));  // len: kPanel's
+  };
+  widen_into(job.half_scale + at, widened.data());
+  if (job.half_offset) widen_into(job.half_offset + at, widened.data() + len);
+  return {widened.data(), job.half_offset ? widened.data() + len : nullptr};
+}
+
 // Group-wise panels: weight [P, K (int8) or ceil(K / 2) (int4), kPanel], scale / offset [P, G, kPanel].
 template <bool nibbles>
 void grouped_panel(const PanelJob& job, const float* x, int64_t m, int64_t k_len, int64_t panel) {
   const int64_t col = panel * kPanel, panel_k = job.panel_k(k_len);
   const void* wp = static_cast<const int8_t*>(job.w) + panel * panel_k * kPanel;
-  const float* sp = job.scale + panel * job.groups * kPanel;
-  const float* op = job.offset ? job.offset + panel * job.groups * kPanel : nullptr;
-  panel_rows<(nibbles ? kGroupedInt4Tile : kGroupedInt8Tile).rows>(
-      m, std::min(kPanel, job.n - col), job.y + col, job.n, [&](auto rows, int64_t i, float* out, int64_t ld_out) {
-        constexpr int64_t r = decltype(rows)::value;
-        grouped_tile<r, nibbles>(x + i * k_len, k_len, static_cast<const uint8_t*>(wp), k_len, job.group_size, sp, op,
-                                 job.x_sums ? job.x_sums + i * job.groups : nullptr, job.groups, out, ld_out);
-      });
+  const int64_t at = panel * job.groups * kPanel;
+  auto run = [&](auto sp, auto op) {
+    panel_rows<(nibbles ? kGroupedInt4Tile : kGroupedInt8Tile).rows>(
+        m, std::min(kPanel, job.n - col), job.y + col, job.n, [&](auto rows, int64_t i, float* out, int64_t ld_out) {
+          constexpr int64_t r = decltype(rows)::value;
+          grouped_tile<r, nibbles>(x + i * k_len, k_len, static_cast<const uint8_t*>(wp), k_len, job.group_size, sp,
+                                   op, job.x_sums ? job.x_sums + i * job.groups : nullptr, job.groups, out, ld_out);
+        });
+  };
+  if (job.half_scale) return run(job.half_scale + at, job.half_offset ? job.half_offset + at : nullptr);
+  run(job.scale + at, job.offset ? job.offset + at : nullptr);
 }
 
 // int8 activations (lightgen.linear_int8_dynamic): each row's group of group_size k (the weight's groups) is
@@ -828,9 +857,10 @@ template <bool nibbles>
 void dot_panel(const PanelJob& job, int64_t m, int64_t k_len, int64_t panel) {
   constexpr int64_t per_lane = lane_k(nibbles);
   const int64_t lanes = (k_len + per_lane - 1) / per_lane, groups = job.groups, at = panel * groups * kPanel;
+  const PanelScales scales = panel_scales(job, panel);
   const DotPanel p{nullptr, nullptr, nullptr, static_cast<const uint8_t*>(job.w) + panel * lanes * 4 * kPanel,
-                   job.scale + at, job.offset ? job.offset + at : nullptr, job.sums ? job.sums + at : nullptr, lanes,
-                   job.group_size / per_lane, groups};
+                   scales.scale, scales.offset, job.sums ? job.sums + at : nullptr, lanes, job.group_size / per_lane,
+                   groups};
   const int64_t col = panel * kPanel;
   panel_rows<kDotRows>(m, std::min(kPanel, job.n - col), job.y + col, job.n,
                        [&](auto r, int64_t i, float* out, int64_t ld) {
@@ -890,6 +920,17 @@ void dispatch_layout(Layout layout, const float* x, int64_t m, int64_t k_len, co
   run_panels(x, m, k_len, &job, 1);
 }
 
+// A group-wise job's scales and offsets (offset undefined: none), float32 or float16 (checked alike).
+void set_group_scales(PanelJob& job, const Tensor& scale, const Tensor& offset) {
+  if (scale.scalar_type() == at::kHalf) {
+    job.half_scale = scale.data_ptr<c10::Half>();
+    job.half_offset = offset.defined() ? offset.data_ptr<c10::Half>() : nullptr;
+  } else {
+    job.scale = scale.data_ptr<float>();
+    job.offset = offset.defined() ? offset.data_ptr<float>() : nullptr;
+  }
+}
+
 PanelJob grouped_job(const GroupedLinear& g, int64_t out_features, int64_t group_size, Act act, Tensor& y) {
   PanelJob job;
   job.w = g.weight.data_ptr();
@@ -898,8 +939,7 @@ PanelJob grouped_job(const GroupedLinear& g, int64_t out_features, int64_t group
   job.n = out_features;
   job.group_size = group_size;
   job.groups = g.groups;
-  job.scale = g.scale.data_ptr<float>();
-  job.offset = g.offset.defined() ? g.offset.data_ptr<float>() : nullptr;
+  set_group_scales(job, g.scale, g.offset);
   job.bias = g.bias.defined() ? g.bias.data_ptr<float>() : nullptr;
   job.act = act;
   job.y = y.data_ptr<float>();
@@ -938,9 +978,10 @@ DotLinear check_dot_linear(const char* op, const Tensor& x, const Tensor& weight
               out_features);
   const std::vector<int64_t> per_group{panels, groups, kPanel}, per_column{out_features};
   DotLinear out{nibbles, weight.contiguous(), {}, {}, {}, {}};
+  const at::ScalarType scale_type = group_scale_type(scale_in);  // the offset's too
   for (auto [given, kept, name, shape, dtype] :
-       {std::tuple{&scale_in, &out.scale, "scale", &per_group, at::kFloat},
-        std::tuple{offset_in ? &*offset_in : nullptr, &out.offset, "offset", &per_group, at::kFloat},
+       {std::tuple{&scale_in, &out.scale, "scale", &per_group, scale_type},
+        std::tuple{offset_in ? &*offset_in : nullptr, &out.offset, "offset", &per_group, scale_type},
         std::tuple{sums_in ? &*sums_in : nullptr, &out.sums, "sums", &per_group, at::kInt},
         std::tuple{bias_in ? &*bias_in : nullptr, &out.bias, "bias", &per_column, at::kFloat}}) {
     if (given == nullptr) continue;
@@ -963,8 +1004,7 @@ PanelJob dot_job(const DotLinear& d, int64_t out_features, int64_t group_size, A
   job.n = out_features;
   job.group_size = group_size;
   job.groups = d.scale.size(1);
-  job.scale = d.scale.data_ptr<float>();
-  job.offset = d.offset.defined() ? d.offset.data_ptr<float>() : nullptr;
+  set_group_scales(job, d.scale, d.offset);
   job.sums = d.sums.defined() ? d.sums.data_ptr<int32_t>() : nullptr;
   job.bias = d.bias.defined() ? d.bias.data_ptr<float>() : nullptr;
   job.act = act;

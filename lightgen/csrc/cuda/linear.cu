@@ -265,15 +265,17 @@ Tensor linear_grouped(const Tensor& x_in, const Tensor& weight, const Tensor& sc
   Tensor y = at::empty(out_sizes, g.x.options());
   const int64_t m = c10::multiply_integers(g.x.sizes().slice(0, g.x.dim() - 1));
   if (m == 0) return y;
-  const float* offsets = g.offset.defined() ? g.offset.data_ptr<float>() : nullptr;
+  // float16 scales and offsets (int4's) are widened here: this kernel reads float32 ones.
+  const Tensor scales = g.scale.to(at::kFloat), offset_values = g.offset.defined() ? g.offset.to(at::kFloat) : Tensor();
+  const float* offsets = offset_values.defined() ? offset_values.data_ptr<float>() : nullptr;
   const Epilogue epi{nullptr, g.bias.defined() ? g.bias.data_ptr<float>() : nullptr};
   if (g.nibbles) {
     launch_panels(act, g.x.data_ptr<float>(), m, g.k_len,
-                  GroupedWeights<true>{g.weight.data_ptr(), g.scale.data_ptr<float>(), offsets, g.panel_k, g.groups,
+                  GroupedWeights<true>{g.weight.data_ptr(), scales.data_ptr<float>(), offsets, g.panel_k, g.groups,
                                        group_size}, out_features, epi, y.data_ptr<float>());
   } else {
     launch_panels(act, g.x.data_ptr<float>(), m, g.k_len,
-                  GroupedWeights<false>{g.weight.data_ptr(), g.scale.data_ptr<float>(), offsets, g.panel_k, g.groups,
+                  GroupedWeights<false>{g.weight.data_ptr(), scales.data_ptr<float>(), offsets, g.panel_k, g.groups,
                                         group_size}, out_features, epi, y.data_ptr<float>());
   }
   return y;

@@ -33,6 +33,12 @@ struct GroupedLinear {
   at::Tensor x, weight, scale, offset, bias;  // offset / bias undefined when not given
 };
 
+// Group-wise scales (and offsets, of the same type) are float32, or float16 where they hold the grid exactly enough
+// (int4: quantize_grouped of lightgen/ops/linear.py): the type the scale tensor has, float32 for any other.
+inline at::ScalarType group_scale_type(const at::Tensor& scale) {
+  return scale.scalar_type() == at::kHalf ? at::kHalf : at::kFloat;
+}
+
 inline GroupedLinear check_grouped_linear(const char* op, const at::Tensor& x, const at::Tensor& weight,
                                           const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
                                           const c10::optional<at::Tensor>& bias, int64_t out_features,
@@ -56,13 +62,16 @@ inline GroupedLinear check_grouped_linear(const char* op, const at::Tensor& x, c
   const int64_t groups = (k_len + group_size - 1) / group_size;
   GroupedLinear out{nibbles, k_len, panel_k, groups, x.contiguous(), weight.contiguous(), {}, {}, {}};
   const std::vector<int64_t> per_group{weight.size(0), groups, panel}, per_column{out_features};
-  for (auto [given, kept, name, shape] : {std::tuple{&scale, &out.scale, "scale", &per_group},
-                                          std::tuple{offset ? &*offset : nullptr, &out.offset, "offset", &per_group},
-                                          std::tuple{bias ? &*bias : nullptr, &out.bias, "bias", &per_column}}) {
+  const at::ScalarType scale_type = group_scale_type(scale);  // the offset's too
+  for (auto [given, kept, name, shape, dtype] :
+       {std::tuple{&scale, &out.scale, "scale", &per_group, scale_type},
+        std::tuple{offset ? &*offset : nullptr, &out.offset, "offset", &per_group, scale_type},
+        std::tuple{bias ? &*bias : nullptr, &out.bias, "bias", &per_column, at::kFloat}}) {
     if (given == nullptr) continue;
-    TORCH_CHECK(given->device() == x.device() && given->scalar_type() == at::kFloat &&
+    TORCH_CHECK(given->device() == x.device() && given->scalar_type() == dtype &&
                     given->sizes() == at::IntArrayRef(*shape),
-                op, ": '", name, "' must be a float32 tensor of shape ", at::IntArrayRef(*shape), " on ", x.device(),
+                op, ": '", name, "' must be a ", dtype == at::kHalf ? "float16" : "float32", " tensor of shape ",
+                at::IntArrayRef(*shape), " on ", x.device(),
                 ", got ", given->scalar_type(), " ", given->sizes(), " on ", given->device());
     *kept = given->contiguous();
   }
