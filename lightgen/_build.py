@@ -43,7 +43,7 @@ CPU_ONLY = frozenset({"linear_int8_dynamic", "sample_tokens"})
 
 # Extra compiler flags per ATen CPU capability: we compile for what this machine runs, never more.
 _ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
 }
 

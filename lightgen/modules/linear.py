@@ -8,7 +8,7 @@ step: 28 GB/s at batch 1, 86% of the measured bandwidth, against 26 GB/s on the 
 The copy costs, per packed layer, +100% of its fp32 weight bytes (fp32), +50% (bf16), +28% (int8: 8 bits
 + a float scale per 32 weights), +16% (int4: 4 bits + a float16 scale and zero point per 32), +56% (int8-dynamic
 with a SIMD int8-dot kernel: int8's copy plus the dot-product layout, 8 bits + an int32 group sum per 32 more),
-+19% (int4-dynamic with one: its dot-product layout in place of int4's panels, with float32 scales and zero points).
++16% (int4-dynamic with one: its dot-product layout in place of int4's panels, the same bytes as int4).
 ``pack=False`` keeps fp32 at zero extra memory and runs the kernels on the original layout (HF
 Conv1D's [K, N] weight is read as panels in place: fine in isolation, but 1.4x slower than packed in
 a GPT-2 decode step, where the strided rows miss DRAM pages).
@@ -163,10 +163,6 @@ def packed_weights(weight: torch.Tensor, precision: str | None, fmt: QuantFormat
                      else (None, None))
     if dot is not None and fmt.bits == 4:
         packed = dot  # INT4_ACTIVATION_MIN_ROWS: the int4 panels would never be read
-        # int4's float16 grid, stored widened: the dot kernels widen float16 into a buffer before each panel, which
-        # cost more than the halved bytes saved (SmolLM2 step, B=1, interleaved: 0.89x), where grouped_tile's loads
-        # gain (1.01-1.05x, 98 MB a step for 112).
-        scale, offset = scale.float(), None if offset is None else offset.float()
     return LinearWeights(packed, weight.shape[0], scale, offset, fmt.group_size, dot, dot_sums, precision=precision)
 
 

@@ -503,25 +503,6 @@ inline void grouped_tile(const float* x, int64_t ld_x, const uint8_t* w, int64_t
   }
 }
 
-// A dot-layout panel's group scales and offsets [G, kPanel] as float: in place, or float16 ones widened into this
-// thread's buffer (int4-dynamic; grouped_tile widens them as it loads them instead).
-struct PanelScales {
-  const float* scale;
-  const float* offset;
-};
-PanelScales panel_scales(const PanelJob& job, int64_t panel) {
-  const int64_t len = job.groups * kPanel, at = panel * len;
-  if (!job.half_scale) return {job.scale + at, job.offset ? job.offset + at : nullptr};
-  thread_local std::vector<float> widened;
-  widened.resize(2 * len);
-  auto widen_into = [&](const c10::Half* from, float* to) {
-    for (int64_t i = 0; i < len; i += Lanes::size) Lanes::store(to + i, Lanes::load(from + i));  // len: kPanel's
-  };
-  widen_into(job.half_scale + at, widened.data());
-  if (job.half_offset) widen_into(job.half_offset + at, widened.data() + len);
-  return {widened.data(), job.half_offset ? widened.data() + len : nullptr};
-}
-
 // Group-wise panels: weight [P, K (int8) or ceil(K / 2) (int4), kPanel], scale / offset [P, G, kPanel].
 template <bool nibbles>
 void grouped_panel(const PanelJob& job, const float* x, int64_t m, int64_t k_len, int64_t panel) {
@@ -637,9 +618,28 @@ struct DotPanel {
   const float* offset;  // [G, 64] or null
   const int32_t* sums;  // [G, 64]: -128 * sum of the group's q (int8), null (int4)
   int64_t lanes, group_lanes, groups;
+  const c10::Half* half_scale = nullptr;  // float16 scales and offsets [G, 64], in place of scale / offset
+  const c10::Half* half_offset = nullptr;
 
   // The weight lane range of group g.
   int64_t lane_end(int64_t g) const { return std::min(lanes, (g + 1) * group_lanes); }
+  bool has_offset() const { return offset || half_offset; }
+  // L::size scales (offsets) of group g from column c, widened as they are loaded.
+  template <typename L>
+  typename L::F load_scale(int64_t g, int64_t c) const {
+    return half_scale ? L::load(half_scale + g * kPanel + c) : L::load(scale + g * kPanel + c);
+  }
+  template <typename L>
+  typename L::F load_offset(int64_t g, int64_t c) const {
+    return half_offset ? L::load(half_offset + g * kPanel + c) : L::load(offset + g * kPanel + c);
+  }
+};
+
+// One float, for dot_tile_portable.
+struct ScalarFloats {
+  using F = float;
+  static F load(const float* p) { return *p; }
+  static F load(const c10::Half* p) { return static_cast<float>(*p); }
 };
 
 // Any CPU: the same integers, one column at a time, and the same float rounding as dot_tile_avx2 and _vnni
@@ -660,9 +660,9 @@ void dot_tile_portable(const DotPanel& p, float* y, int64_t ld_y) {
             dot += nibbles ? int32_t(static_cast<int8_t>(act)) * ((byte >> (b / 4 * 4)) & 15)
                            : int32_t(act) * int32_t(static_cast<int8_t>(byte));
           }
-        const float dt = p.scale[g * kPanel + c] * p.step[i * p.groups + g];
+        const float dt = p.load_scale<ScalarFloats>(g, c) * p.step[i * p.groups + g];
         acc = std::fma(float(dot), dt, acc);
-        if (p.offset) acc = std::fma(p.offset[g * kPanel + c], p.sum[i * p.groups + g], acc);
+        if (p.has_offset()) acc = std::fma(p.load_offset<ScalarFloats>(g, c), p.sum[i * p.groups + g], acc);
       }
       y[i * ld_y + c] = acc;
     }
@@ -676,6 +676,7 @@ struct Avx2Floats {
   using I = __m256i;
   static constexpr int64_t size = 8;
   static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
@@ -687,6 +688,7 @@ struct Avx512Floats {
   using I = __m512i;
   static constexpr int64_t size = 16;
   static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
@@ -700,11 +702,11 @@ template <typename L, int64_t rows, int64_t vecs>
 inline void add_group(const DotPanel& p, int64_t g, const typename L::I (&dot)[rows][vecs],
                       typename L::F (&acc)[rows][vecs]) {
   for (int64_t v = 0; v < vecs; ++v) {
-    const typename L::F d = L::load(p.scale + g * kPanel + v * L::size);
+    const typename L::F d = p.template load_scale<L>(g, v * L::size);
     for (int64_t i = 0; i < rows; ++i)
       acc[i][v] = L::fma(L::to_float(dot[i][v]), L::mul(d, L::set1(p.step[i * p.groups + g])), acc[i][v]);
-    if (p.offset) {
-      const typename L::F o = L::load(p.offset + g * kPanel + v * L::size);
+    if (p.has_offset()) {
+      const typename L::F o = p.template load_offset<L>(g, v * L::size);
       for (int64_t i = 0; i < rows; ++i) acc[i][v] = L::fma(o, L::set1(p.sum[i * p.groups + g]), acc[i][v]);
     }
   }
@@ -857,10 +859,13 @@ template <bool nibbles>
 void dot_panel(const PanelJob& job, int64_t m, int64_t k_len, int64_t panel) {
   constexpr int64_t per_lane = lane_k(nibbles);
   const int64_t lanes = (k_len + per_lane - 1) / per_lane, groups = job.groups, at = panel * groups * kPanel;
-  const PanelScales scales = panel_scales(job, panel);
-  const DotPanel p{nullptr, nullptr, nullptr, static_cast<const uint8_t*>(job.w) + panel * lanes * 4 * kPanel,
-                   scales.scale, scales.offset, job.sums ? job.sums + at : nullptr, lanes, job.group_size / per_lane,
-                   groups};
+  DotPanel p{nullptr, nullptr, nullptr, static_cast<const uint8_t*>(job.w) + panel * lanes * 4 * kPanel,
+             job.scale ? job.scale + at : nullptr, job.offset ? job.offset + at : nullptr,
+             job.sums ? job.sums + at : nullptr, lanes, job.group_size / per_lane, groups};
+  if (job.half_scale) {
+    p.half_scale = job.half_scale + at;
+    p.half_offset = job.half_offset ? job.half_offset + at : nullptr;
+  }
   const int64_t col = panel * kPanel;
   panel_rows<kDotRows>(m, std::min(kPanel, job.n - col), job.y + col, job.n,
                        [&](auto r, int64_t i, float* out, int64_t ld) {
