@@ -187,23 +187,20 @@ def _quantize_blocks(blocks: torch.Tensor, in_features: int, bits: int, zero_poi
         low = torch.where(valid, blocks, torch.inf).amin(dim=2)
         high = torch.where(valid, blocks, -torch.inf).amax(dim=2)
         levels = (1 << bits) - 1
-        scale = ((high - low) / levels).clamp_min(tiny).to(dtype)
-        if bits == 8:
-            low = low.to(dtype)
-        else:
-            low = offset = low.to(dtype)
+        scale, low = ((high - low) / levels).clamp_min(tiny).to(dtype), low.to(dtype)
         u = torch.round((blocks - low.float()[..., None]) / scale.float()[..., None]).clamp_(0, levels)
         if bits == 8:
             q, offset = (u - 128).to(torch.int8), low + 128 * scale
         else:
-            q = u.to(torch.uint8)
+            q, offset = u.to(torch.uint8), low
     elif bits == 8:
         scale = (blocks.abs().amax(dim=2).clamp_min(tiny) / 127.0).to(dtype)
         q = torch.round(blocks / scale.float()[..., None]).clamp_(-127, 127).to(torch.int8)
     else:
         extreme = blocks.gather(2, blocks.abs().argmax(dim=2, keepdim=True))[..., 0]
-        # Negative, so that the extreme maps to -8; at least tiny in magnitude.
-        scale = -(extreme.abs() / 8.0).clamp_min(tiny).to(dtype) * torch.where(extreme < 0, -1.0, 1.0).to(dtype)
+        # Signed opposite to the extreme, so that it maps to -8; at least tiny in magnitude.
+        magnitude = (extreme.abs() / 8.0).clamp_min(tiny).to(dtype)
+        scale = torch.where(extreme < 0, magnitude, -magnitude)
         q = (torch.round(blocks / scale.float()[..., None]).clamp_(-8, 7) + 8).to(torch.uint8)
     if not all(t.isfinite().all() for t in (scale, offset) if t is not None):
         return None

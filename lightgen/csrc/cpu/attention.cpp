@@ -1,6 +1,5 @@
 // Attention over a preallocated KV cache: the step's new K/V are written in place at each row's
 // cache position, then scale + mask + softmax + weighted sum run per (batch, head, query).
-#include <ATen/cpu/vec/functional.h>
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
@@ -42,11 +41,6 @@ void write_new_kv(const Tensor& src, Tensor& cache, const std::vector<int64_t>& 
   });
 }
 
-// The lane sum in a shuffle tree (a few instructions, independent across keys), where hsum stores and adds one by one.
-inline float lane_sum(const fVec& v) {
-  return at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return a + b; }, v);
-}
-
 // exp(x[j] - shift) in place over a row, vectorised (ATen's Sleef exp, 1 ulp), and their float sum.
 inline float exp_shifted(float* x, int64_t n, float shift) {
   const fVec by(shift);
@@ -77,7 +71,8 @@ inline void weigh_values(const float* p, int64_t first, int64_t last, const scal
     if (p[j] == 0.f) continue;
     const float* row = as_float(v + j * stride, kValueBlock, buf);
     const fVec weight(p[j]);
-    for (int64_t c = 0; c < kValueVecs; ++c) sums[c] = at::vec::fmadd(weight, fVec::loadu(row + c * fVec::size()), sums[c]);
+    for (int64_t c = 0; c < kValueVecs; ++c)
+      sums[c] = at::vec::fmadd(weight, fVec::loadu(row + c * fVec::size()), sums[c]);
   }
   for (int64_t c = 0; c < kValueVecs; ++c) sums[c].store(acc + c * fVec::size());
 }
@@ -119,14 +114,7 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
       const scalar_t* vb = v_base + b * vs0 + hk * vs1;
       float max_score = -std::numeric_limits<float>::infinity();
       for (int64_t j = first; j <= last; ++j) {
-        const float* kf = as_float(kb + j * ks2, D, kbuf);
-        fVec dot(0.f);
-        int64_t d = 0;
-        for (; d + fVec::size() <= D; d += fVec::size())
-          dot = at::vec::fmadd(fVec::loadu(qf + d), fVec::loadu(kf + d), dot);
-        float s = lane_sum(dot);
-        for (; d < D; ++d) s += qf[d] * kf[d];
-        s *= scale;
+        float s = row_dot(qf, as_float(kb + j * ks2, D, kbuf), D) * scale;
         if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;  // Gemma 2: capped before the mask
         s += mask_bias(mask, b, h, i, j);
         scores[j] = s;
@@ -134,14 +122,16 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       if (max_score != -std::numeric_limits<float>::infinity()) {  // a fully masked query yields zeros
-        const float denom = last >= first ? exp_shifted(scores.data() + first, last - first + 1, max_score) : 0.f;
+        const float denom = exp_shifted(scores.data() + first, last - first + 1, max_score);
         for (int64_t d0 = 0; d0 < D; d0 += kValueBlock) {
           const int64_t width = std::min(kValueBlock, D - d0);
           if (width == kValueBlock) {
             weigh_values(scores.data(), first, last, vb + d0, vs2, acc.data() + d0, vbuf);
           } else {
-            for (int64_t j = first; j <= last; ++j)
-              if (scores[j] != 0.f) row_axpy(scores[j], as_float(vb + j * vs2 + d0, width, vbuf), acc.data() + d0, width);
+            for (int64_t j = first; j <= last; ++j) {
+              if (scores[j] != 0.f)
+                row_axpy(scores[j], as_float(vb + j * vs2 + d0, width, vbuf), acc.data() + d0, width);
+            }
           }
         }
         const float inv = 1.f / denom;

@@ -347,6 +347,7 @@ struct PanelJob {
   float* y = nullptr;
 
   int64_t panels() const { return (n + kPanel - 1) / kPanel; }
+  bool has_offset() const { return offset || half_offset; }
   int64_t panel_k(int64_t k_len) const {  // bytes per column
     if (rows) return (k_len + (nibbles ? 7 : 3)) / (nibbles ? 8 : 4) * 4;
     return nibbles ? (k_len + 1) / 2 : k_len;
@@ -389,7 +390,7 @@ void run_panels(const float* x, int64_t m, int64_t k_len, const PanelJob* given,
   std::vector<int64_t> summed_sizes;
   x_sums.reserve(count);
   for (PanelJob& job : jobs) {
-    if (!job.grouped || !(job.nibbles || job.offset || job.half_offset)) continue;
+    if (!job.grouped || !(job.nibbles || job.has_offset())) continue;
     auto same = std::find(summed_sizes.begin(), summed_sizes.end(), job.group_size);
     if (same == summed_sizes.end()) {
       std::vector<float> sums(m * job.groups);

@@ -1,5 +1,6 @@
 #pragma once
 // Float row helpers on ATen's Vectorized<float> (AVX2 or AVX-512 as the build selects).
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -38,11 +39,17 @@ inline float row_sum_sq(const float* p, int64_t n, float center) {
   return s;
 }
 
+// The lane sum in a shuffle tree: a few instructions, independent across calls, where hsum stores and adds one by one
+// (attention's scores, a dot a key).
+inline float lane_sum(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return a + b; }, v);
+}
+
 inline float row_dot(const float* a, const float* b, int64_t n) {
   fVec acc(0.f);
   int64_t i = 0;
   for (; i + fVec::size() <= n; i += fVec::size()) acc = at::vec::fmadd(fVec::loadu(a + i), fVec::loadu(b + i), acc);
-  float s = hsum(acc);
+  float s = lane_sum(acc);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
