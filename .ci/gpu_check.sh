@@ -43,7 +43,7 @@ done
 status=0
 if [ "${GPU_CHECK_TESTS:-1}" != 0 ]; then
     # shellcheck disable=SC2086
-    timeout 200 "$py" -m pytest -q -p no:cacheprovider -m cuda -rfE -n 8 --timeout 120 \
+    timeout 150 "$py" -m pytest -q -p no:cacheprovider -m cuda -rfE -n 8 --timeout 120 \
         tests/ops/test_cuda.py tests/adapters/test_cuda_parity.py ${GPU_CHECK_PYTEST_ARGS:-} \
         --junitxml="$out/cuda-tests.xml" > "$out/cuda-tests.txt" 2>&1
     status=$?
@@ -51,7 +51,7 @@ if [ "${GPU_CHECK_TESTS:-1}" != 0 ]; then
     echo "tests: $((SECONDS - started)) s, pytest exit status $status"
 fi
 if [ "${GPU_CHECK_BENCH:-1}" != 0 ]; then
-    timeout 220 "$py" benchmarks/gpu_generate.py --profile --out "$out" > "$out/gpu_generate.txt" 2>&1
+    timeout 290 "$py" benchmarks/gpu_generate.py --profile --out "$out" > "$out/gpu_generate.txt" 2>&1
     bench=$?
     tail -25 "$out/gpu_generate.txt"
     echo "benchmark: $((SECONDS - started)) s, exit status $bench"

@@ -8,17 +8,20 @@ Two random-weight models: a Transformer-base-size translation model (Marian, 6 +
 ``NEW_TOKENS`` tokens (min_new_tokens = max_new_tokens). Each case first runs in float32, where lightgen
 must return HF's tokens exactly (the script exits non-zero otherwise), then in float16, where the table
 reports how many sequences and tokens agree with HF's float16 output, and the interleaved timing.
-``hf`` is the unpatched model's generate; ``lightgen`` a deep copy after ``lightgen.accelerate_model``.
+``hf`` is the unpatched model's generate; ``lightgen`` a deep copy after ``lightgen.accelerate_model``, whose
+one-token steps replay a CUDA graph; ``lightgen-eager`` the same copy with ``LIGHTGEN_CUDA_GRAPHS=0``.
 The GPU's utilisation before and after the run is recorded: a shared GPU makes the ratios unreliable.
 Prints a markdown table and writes <out>/gpu_generate.json and (with matplotlib) <out>/gpu_generate.png;
-``--profile`` also writes <out>/gpu_profile.txt, torch.profiler's tables of one float16 call per provider
-and case at batch 1 (where per-step launch and Python costs show).
+``--profile`` also writes <out>/gpu_profile.txt, torch.profiler's tables of one float16 lightgen call per
+case at batch 1 (where per-step launch and Python costs show).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import os
 import subprocess
 import sys
 import time
@@ -35,7 +38,7 @@ VOCAB = 32000
 BOS, PAD, EOS = 0, 1, 2
 PROMPT_TOKENS = 32
 NEW_TOKENS = 64
-HF, LIGHTGEN = "hf", "lightgen"
+HF, LIGHTGEN, LIGHTGEN_EAGER = "hf", "lightgen", "lightgen-eager"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +51,7 @@ class Case:
 FULL_CASES = (Case("marian", 4, 1), Case("marian", 4, 32), Case("marian", 4, 128), Case("llama", 1, 1),
               Case("llama", 1, 32))
 QUICK_CASES = (Case("marian", 4, 1), Case("llama", 1, 1))
-SAMPLING = Sampling(samples=5, min_sample_s=0.0, max_measure_s=20.0, min_samples=3, warmup_calls=0)
+SAMPLING = Sampling(samples=5, min_sample_s=0.0, max_measure_s=12.0, min_samples=3, warmup_calls=0)
 QUICK_SAMPLING = Sampling(samples=3, min_sample_s=0.0, max_measure_s=5.0, min_samples=2, warmup_calls=0)
 
 
@@ -80,12 +83,25 @@ def prompts(batch: int, device: str) -> dict:
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
 
 
-def generate_fn(model, inputs: dict, num_beams: int):
+@contextlib.contextmanager
+def cuda_graphs(on: bool):
+    previous = os.environ.get("LIGHTGEN_CUDA_GRAPHS")
+    os.environ["LIGHTGEN_CUDA_GRAPHS"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["LIGHTGEN_CUDA_GRAPHS"]
+        else:
+            os.environ["LIGHTGEN_CUDA_GRAPHS"] = previous
+
+
+def generate_fn(model, inputs: dict, num_beams: int, graphs: bool = True):
     kwargs = dict(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, num_beams=num_beams,
                   do_sample=False, pad_token_id=PAD)
 
     def run():
-        with torch.inference_mode():
+        with torch.inference_mode(), cuda_graphs(graphs):
             out = model.generate(**kwargs)
         torch.cuda.synchronize()
         return out
@@ -118,18 +134,24 @@ def run_case(case: Case, models: dict, sampling: Sampling) -> dict:
     expected = generate_fn(fp32[HF], inputs, case.num_beams)()
     got = generate_fn(fp32[LIGHTGEN], inputs, case.num_beams)()
     fp32_equal = got.shape == expected.shape and torch.equal(got, expected)
-    fns = {provider: generate_fn(model, inputs, case.num_beams) for provider, model in fp16.items()}
+    fp32_rows_differing = int((got != expected).any(dim=1).sum()) if got.shape == expected.shape else None
+    eager_equal = torch.equal(generate_fn(fp32[LIGHTGEN], inputs, case.num_beams, graphs=False)(), got)
+    fns = {HF: generate_fn(fp16[HF], inputs, case.num_beams),
+           LIGHTGEN: generate_fn(fp16[LIGHTGEN], inputs, case.num_beams),
+           LIGHTGEN_EAGER: generate_fn(fp16[LIGHTGEN], inputs, case.num_beams, graphs=False)}
     outputs = {provider: fn() for provider, fn in fns.items()}  # also the warm-up
     sequences_equal, tokens_equal = agreement(outputs[LIGHTGEN], outputs[HF])
     timings = measure(fns, sampling)
     return {
         "model": case.model, "num_beams": case.num_beams, "batch": case.batch,
-        "fp32_tokens_equal_hf": fp32_equal,
+        "fp32_tokens_equal_hf": fp32_equal, "fp32_rows_differing_hf": fp32_rows_differing,
+        "fp32_graphs_equal_eager": eager_equal,
         "fp16_sequences_equal_hf": sequences_equal, "fp16_tokens_equal_hf": tokens_equal,
         "ms": {provider: timing.median_us / 1e3 for provider, timing in timings.items()},
         "iqr_ms": {provider: [timing.p25_us / 1e3, timing.p75_us / 1e3] for provider, timing in timings.items()},
         "noisy": any(timing.noisy for timing in timings.values()),
         "speedup": timings[HF].median_us / timings[LIGHTGEN].median_us,
+        "speedup_eager": timings[HF].median_us / timings[LIGHTGEN_EAGER].median_us,
     }
 
 
@@ -139,18 +161,16 @@ def profile(cases: tuple[Case, ...], models: dict, path) -> None:
 
     tables = []
     for case in (case for case in cases if case.batch == 1):
-        inputs = prompts(case.batch, "cuda")
-        for provider, model in models[case.model][1].items():
-            run = generate_fn(model, inputs, case.num_beams)
+        run = generate_fn(models[case.model][1][LIGHTGEN], prompts(case.batch, "cuda"), case.num_beams)
+        run()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            started = time.perf_counter()
             run()
-            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                started = time.perf_counter()
-                run()
-                seconds = time.perf_counter() - started
-            averages = prof.key_averages()
-            tables.append(f"## {label(case)}, {provider}: {seconds * 1e3:.1f} ms under the profiler\n\n"
-                          + averages.table(sort_by="self_cpu_time_total", row_limit=25) + "\n"
-                          + averages.table(sort_by="self_device_time_total", row_limit=15) + "\n")
+            seconds = time.perf_counter() - started
+        averages = prof.key_averages()
+        tables.append(f"## {label(case)}, {LIGHTGEN}: {seconds * 1e3:.1f} ms under the profiler\n\n"
+                      + averages.table(sort_by="self_cpu_time_total", row_limit=25) + "\n"
+                      + averages.table(sort_by="self_device_time_total", row_limit=15) + "\n")
     path.write_text("\n".join(tables))
     print(f"wrote {path}")
 
@@ -178,11 +198,14 @@ def report(env: dict, results: list[dict]) -> None:
     print(f"- torch {env['torch']} (CUDA {env['cuda']}), transformers {env['transformers']}, "
           f"lightgen {env['lightgen']} (commit {env['git_commit'] or 'unknown'})")
     print(f"- GPU utilisation / memory before: {env['gpu_before']}; after: {env['gpu_after']}")
-    print("\n| case | HF ms | lightgen ms | speedup | fp32 tokens = HF | fp16 sequences = HF | fp16 tokens = HF |")
-    print("|---|--:|--:|--:|:-:|--:|--:|")
+    print("\n| case | HF ms | lightgen ms | speedup | eager steps ms | speedup | fp32 tokens = HF | "
+          "fp16 sequences = HF | fp16 tokens = HF |")
+    print("|---|--:|--:|--:|--:|--:|:-:|--:|--:|")
     for row in results:
+        noisy = " (noisy)" if row["noisy"] else ""
         print(f"| {row['label']} | {row['ms'][HF]:.1f} | {row['ms'][LIGHTGEN]:.1f} | "
-              f"{format_speedup(row['speedup'])}{' (noisy)' if row['noisy'] else ''} | "
+              f"{format_speedup(row['speedup'])}{noisy} | {row['ms'][LIGHTGEN_EAGER]:.1f} | "
+              f"{format_speedup(row['speedup_eager'])}{noisy} | "
               f"{'yes' if row['fp32_tokens_equal_hf'] else '**NO**'} | {row['fp16_sequences_equal_hf']:.0%} | "
               f"{row['fp16_tokens_equal_hf']:.1%} |")
 
@@ -207,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         row = run_case(case, models, QUICK_SAMPLING if args.quick else SAMPLING)
         row["label"] = label(case)
         results.append(row)
-        print(f"{row['label']}: HF {row['ms'][HF]:.1f} ms, lightgen {row['ms'][LIGHTGEN]:.1f} ms, "
-              f"{row['speedup']:.2f}x, fp32 equal {row['fp32_tokens_equal_hf']}", flush=True)
+        print(f"{row['label']}: HF {row['ms'][HF]:.1f} ms, lightgen {row['ms'][LIGHTGEN]:.1f} ms "
+              f"({row['speedup']:.2f}x), eager steps {row['ms'][LIGHTGEN_EAGER]:.1f} ms, fp32 equal "
+              f"{row['fp32_tokens_equal_hf']}, graphs = eager {row['fp32_graphs_equal_eager']}", flush=True)
     env["gpu_after"] = gpu_busy()
     env["seconds"] = time.perf_counter() - started
     report(env, results)
@@ -217,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                                             "speedup over HF generate (fp16)", f"{env['gpu']}, torch {env['torch']}"))
     if args.profile:
         profile(cases, models, args.out / "gpu_profile.txt")
-    return 0 if all(row["fp32_tokens_equal_hf"] for row in results) else 1
+    return 0 if all(row["fp32_tokens_equal_hf"] and row["fp32_graphs_equal_eager"] for row in results) else 1
 
 
 if __name__ == "__main__":

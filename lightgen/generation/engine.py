@@ -55,6 +55,7 @@ from lightgen.generation.aggressive import (
 from lightgen.generation.diverse import group_beam_search
 from lightgen.generation.drafting import start_session
 from lightgen.memory import cached_cpu_memory
+from lightgen.modules import step_graph
 from lightgen.modules.decoder import ACCELERATE_ATTR, DECODER_ATTR, Observed
 from lightgen.modules.inference import skips_hooks
 
@@ -607,8 +608,10 @@ def _row_wise(processor, rows: int) -> bool:
 def _can_drop_finished_rows(state, rows, generation_config, logits_processor, stopping_criteria) -> bool:
     """Greedy rows that finished early stop costing compute, when nothing observes the full batch:
     sampling draws from the RNG per row of the full batch, and scores/logits are reported per row
-    (a streamer and a returned cache also see every row: the callers check those)."""
-    return (not generation_config.do_sample and state.expand == 1 and state.observed is None
+    (a streamer and a returned cache also see every row: the callers check those). Not on a GPU, where
+    steps replay a CUDA graph: it costs the same for every row, and fewer rows would mean capturing again."""
+    replayed = state.next_position.is_cuda and step_graph.enabled()
+    return (not replayed and not generation_config.do_sample and state.expand == 1 and state.observed is None
             and not (generation_config.return_dict_in_generate
                      and (generation_config.output_scores or generation_config.output_logits))
             and all(_row_wise(p, rows) for p in [*logits_processor, *stopping_criteria]))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightgen import ops
-from lightgen.modules import native_step
+from lightgen.modules import native_step, step_graph
 from lightgen.modules.block import BlockSpec, feed_forward, run_block
 from lightgen.modules.kv_cache import POOL, StaticKVCache
 from lightgen.modules.linear import apply_linear, kernel_weights
@@ -193,16 +193,25 @@ class DecodeState:
         self.token_types = None
         self.observed: Observed | None = None  # set when the caller asked for attentions or hidden states
         self.native_plan = None  # the decoder's native_step.Plan for this request, once a step asked for it
+        self.step_graph: step_graph.StepGraph | None = None  # on a GPU, once a one-token step ran
 
     def reorder(self, rows: torch.Tensor) -> None:
-        """Beam search picked ``rows``: rows of the same sentence swap caches, masks and positions."""
-        self.cache.select_rows(rows)
+        """Beam search picked ``rows``: rows of the same sentence swap caches, masks and positions (in place
+        while a step graph reads them, as long as the number of rows stays)."""
+        in_place = self.step_graph is not None
+        self.cache.select_rows(rows, keep_addresses=in_place)
         if self.key_keep is not None:
-            self.key_keep = self.key_keep.index_select(0, rows)
-        self.next_position = self.next_position.index_select(0, rows)
-        self.lengths = self.lengths.index_select(0, rows)
+            self.key_keep = _select_rows(self.key_keep, rows, in_place)
+        self.next_position = _select_rows(self.next_position, rows, in_place)
+        self.lengths = _select_rows(self.lengths, rows, in_place)
         if self.token_types is not None:
             self.token_types = self.token_types.index_select(0, rows)
+
+    def addresses(self) -> tuple:
+        """Where the tensors a one-token step reads are (a step graph replays with these)."""
+        tensors = (*self.cache.keys, *self.cache.values, self.key_keep, self.next_position, self.lengths,
+                   *self.cross_keys, *self.cross_values, self.encoder_keep, self.position_bias_table)
+        return self.cache.rows, *(t.data_ptr() if t is not None else 0 for t in tensors)
 
     def roll_back(self, rejected: torch.Tensor) -> None:
         """Forget each row's last ``rejected[row]`` positions (a moved length, nothing copied)."""
@@ -223,8 +232,16 @@ class DecodeState:
             self.encoder_keep = self.encoder_keep.index_select(0, rows)
 
     def release(self) -> None:
+        self.step_graph = None  # its memory pool with it
         self.cache.release()
         POOL.give_back(*self._pooled)
+
+
+def _select_rows(t: torch.Tensor, rows: torch.Tensor, in_place: bool) -> torch.Tensor:
+    picked = t.index_select(0, rows)
+    if in_place and picked.shape == t.shape:
+        return t.copy_(picked)
+    return picked
 
 
 class Decoder:
@@ -324,11 +341,30 @@ class Decoder:
         to each row's last prompt token type. With ``state.observed`` set, the step also records HF's
         attentions and hidden states.
         """
+        cache = state.cache
+        length = (tokens if embeds is None else embeds).shape[1]
+        if cache.length + length > cache.max_len:
+            raise RuntimeError(f"decoder cache of {cache.max_len} positions is full")
+        if (positions is None and not all_positions and scored is None and embeds is None and token_types is None
+                and self._replayable(state, tokens)):
+            if state.step_graph is None:
+                state.step_graph = step_graph.StepGraph(functools.partial(self._step, state), state.addresses, cache)
+            return state.step_graph(tokens)
+        return self._step(state, tokens, positions, all_positions, scored, embeds, token_types)
+
+    @staticmethod
+    def _replayable(state: DecodeState, tokens: torch.Tensor) -> bool:
+        """A one-token step after the prompt on a GPU, with nothing the host decides per step (a position limit
+        check, token types, recorded attentions): it can run as a replayed CUDA graph."""
+        return (tokens.is_cuda and tokens.shape[1] == 1 and state.cache.length > 0 and state.token_types is None
+                and state.observed is None and state.position_limit is None and step_graph.enabled())
+
+    def _step(self, state: DecodeState, tokens: torch.Tensor | None, positions: torch.Tensor | None = None,
+              all_positions: bool = False, scored: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
+              token_types: torch.Tensor | None = None) -> torch.Tensor:
         spec, cache = self.spec, state.cache
         rows, length = (tokens if embeds is None else embeds).shape[:2]
         device = (tokens if embeds is None else embeds).device
-        if cache.length + length > cache.max_len:
-            raise RuntimeError(f"decoder cache of {cache.max_len} positions is full")
         if positions is None:
             positions = state.next_position[:, None] + torch.arange(length, device=device)
         if state.position_limit is not None and int(positions.max()) >= state.position_limit:

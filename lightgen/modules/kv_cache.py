@@ -75,8 +75,10 @@ class StaticKVCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[index][: self.rows], self.values[index][: self.rows]
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep rows ``rows`` (int64, any order, possibly fewer) as rows 0..len(rows)-1."""
+    def select_rows(self, rows: torch.Tensor, keep_addresses: bool = False) -> None:
+        """Keep rows ``rows`` (int64, any order, possibly fewer) as rows 0..len(rows)-1. ``keep_addresses``:
+        the picked rows are copied back into each layer's buffer (a CUDA graph reads them there) instead of
+        the buffers swapping with the spare."""
         if self._spares is None:
             self._spare_buffers = [POOL.take(self.keys[0].shape, self.keys[0].dtype, self.keys[0].device)
                                    for _ in range(2)]
@@ -86,7 +88,10 @@ class StaticKVCache:
             for index, buffer in enumerate(layers):
                 spare = self._spares[kind]
                 torch.index_select(buffer[: self.rows, :, filled], 0, rows, out=spare[:kept, :, filled])
-                layers[index], self._spares[kind] = spare, buffer
+                if keep_addresses:
+                    buffer[:kept, :, filled].copy_(spare[:kept, :, filled])
+                else:
+                    layers[index], self._spares[kind] = spare, buffer
         self.rows = kept
 
     def grow(self, max_len: int) -> None:

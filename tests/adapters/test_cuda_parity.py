@@ -40,3 +40,44 @@ def test_fp16_models_stay_close_on_cuda(family):
     got = forward_logits(lightgen.accelerate_model(model), family, ids, mask).float()
     valid = valid_positions(family, mask, expected)
     torch.testing.assert_close(got[valid], expected[valid], atol=0.05, rtol=0.05)
+
+
+@pytest.fixture
+def graph_replays(monkeypatch):
+    """Each StepGraph a generate() call made, to show that its steps replayed a CUDA graph."""
+    from lightgen.modules.step_graph import StepGraph
+
+    graphs = []
+    original = StepGraph.__init__
+
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        graphs.append(self)
+
+    monkeypatch.setattr(StepGraph, "__init__", record)
+    return graphs
+
+
+@pytest.mark.parametrize("family", ["bart", "marian", "gpt2", "llama", "qwen2", "t5"])
+@pytest.mark.parametrize("settings", [dict(), dict(num_beams=4), dict(do_sample=True, top_k=20)],
+                         ids=["greedy", "beam4", "sample"])
+def test_replayed_steps_equal_eager_steps_and_hf(family, settings, graph_replays, monkeypatch):
+    """CUDA-graph steps (the default on a GPU) return the eager steps' tokens, HF's for greedy and beams;
+    rows finish at EOS at different steps (a 40-token vocabulary's EOS comes early) and stay in the batch."""
+    model = build(family, seed=3).to("cuda")
+    reference = copy.deepcopy(model)
+    accelerated = lightgen.accelerate_model(model)
+    ids, mask = _on_gpu(*padded_batch(family, 4, 7, seed=3))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, **settings)
+
+    def generate(target):
+        torch.manual_seed(0)
+        return target.generate(**kwargs)
+
+    replayed = generate(accelerated)
+    assert graph_replays and sum(graph.replays for graph in graph_replays) > 0
+    monkeypatch.setenv("LIGHTGEN_CUDA_GRAPHS", "0")
+    eager = generate(accelerated)
+    assert torch.equal(replayed, eager)
+    if not settings.get("do_sample"):
+        assert torch.equal(replayed, generate(reference))

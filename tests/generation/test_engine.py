@@ -188,6 +188,42 @@ def test_cache_reorders_through_one_spare_layer_and_pools_only_what_it_took():
         assert all(t._base is None for t in pooled)
 
 
+def test_reorder_keeping_addresses_moves_the_same_rows_in_place():
+    """While a CUDA step graph reads a request's tensors, beam reorders copy into them (the same result as the
+    buffer swap); a reorder to fewer rows still makes new, smaller tensors, and the addresses say so."""
+    from lightgen.modules.decoder import DecodeState
+    from lightgen.modules.kv_cache import StaticKVCache
+
+    gen = torch.Generator().manual_seed(1)
+    states = []
+    for _ in range(2):
+        cache = StaticKVCache(2, 4, 2, 10, 8, torch.float32, "cpu")
+        state = DecodeState(cache, torch.ones(4, 10, dtype=torch.bool), torch.arange(4) + 5)
+        states.append(state)
+    contents = [torch.randn(4, 2, 10, 8, generator=gen) for _ in range(4)]
+    keep = torch.rand(4, 10, generator=gen) > 0.3
+    for state in states:
+        for buffer, content in zip(state.cache.keys + state.cache.values, contents, strict=True):
+            buffer.copy_(content)
+        state.cache.length = 6
+        state.key_keep.copy_(keep)
+        state.lengths.fill_(6)
+    swapped, pinned = states
+    pinned.step_graph = object()  # what reorder checks: a graph reads this request's tensors
+    before = pinned.addresses()
+    for rows in (torch.tensor([1, 1, 3, 0]), torch.tensor([3, 2, 0, 0])):
+        swapped.reorder(rows)
+        pinned.reorder(rows)
+        assert pinned.addresses() == before
+        for name in ("key_keep", "next_position", "lengths"):
+            assert torch.equal(getattr(pinned, name), getattr(swapped, name))
+        for got, expected in zip(pinned.cache.keys + pinned.cache.values, swapped.cache.keys + swapped.cache.values,
+                                 strict=True):
+            assert torch.equal(got[:, :, :6], expected[:, :, :6])
+    pinned.reorder(torch.tensor([2, 0]))
+    assert pinned.addresses() != before and pinned.next_position.shape == (2,)
+
+
 def test_concurrent_generate_calls_each_get_their_own_result():
     accelerated, reference = _pair("bart", 2)
     inputs = [padded_batch("bart", 2, 5 + i, seed=i) for i in range(4)]

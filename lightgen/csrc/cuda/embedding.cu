@@ -29,9 +29,10 @@ __global__ void embedding_kernel(const int64_t* __restrict__ ids, const scalar_t
     p = pos_weight + pos * d;
   }
   for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
-    // The scaled token embedding is rounded first, as the unfused `embed(x) * scale + pos` rounds it.
-    float v = static_cast<float>(static_cast<scalar_t>(static_cast<float>(w[i]) * scale));
-    if constexpr (has_pos) v += static_cast<float>(p[i]);
+    // The scaled token embedding is rounded first, as the unfused `embed(x) * scale + pos` rounds it
+    // (__fmul_rn / __fadd_rn: nvcc would otherwise contract the two into one fused multiply-add).
+    float v = static_cast<float>(static_cast<scalar_t>(__fmul_rn(static_cast<float>(w[i]), scale)));
+    if constexpr (has_pos) v = __fadd_rn(v, static_cast<float>(p[i]));
     out[t * d + i] = static_cast<scalar_t>(v);
   }
 }
