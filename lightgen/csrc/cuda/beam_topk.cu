@@ -165,7 +165,9 @@ std::tuple<Tensor, Tensor, Tensor> beam_topk(const Tensor& scores_in, const c10:
   }
   const c10::cuda::CUDAGuard guard(scores_in.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const Tensor scores = log_softmax ? at::log_softmax(scores_in, 1) : scores_in.contiguous();
+  // A row of only -inf has a NaN log_softmax; its candidates stay -inf like any masked token (the reference's rule).
+  const Tensor scores = log_softmax ? at::log_softmax(scores_in, 1).masked_fill_(scores_in == -kInf, -kInf)
+                                    : scores_in.contiguous();
   const Tensor beam_scores = beam_scores_in ? beam_scores_in->contiguous() : Tensor();
   const int64_t rows = scores.size(0), vocab = scores.size(1), batch = rows / beams;
   const auto options = scores.options();
