@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # On a machine with a GPU: build the kernels (CPU, and CUDA for the visible GPU), run the cuda-marked tests and
 # the GPU generate() benchmark, and leave the environment report, build logs, a JUnit report and the benchmark's
-# JSON, chart and profile in $OUT (default ./gpu-check). Uses $PYTHON (default python3) and this checkout (PYTHONPATH).
+# JSON, chart and profile in $OUT (default ./gpu-check). Uses $PYTHON (default python3, with pytest-xdist and
+# pytest-timeout) and this checkout (PYTHONPATH), and, where present:
 #   .whl/*.whl            wheels the machine lacks (transformers in lightgen's range), installed to /tmp/site
-#   .gpu-prebuilt/<dir>   a CUDA library built elsewhere for this torch build (`lightgen build-cuda`): loaded as
-#                         "built by another compiler" instead of compiling on the GPU machine; built here if it
-#                         does not load
+#   .gpu-prebuilt/<dir>   a CUDA library built elsewhere for the GPU machine's torch build (in a venv with that torch:
+#                         TORCH_EXTENSIONS_DIR=.gpu-prebuilt lightgen build-cuda --arch 9.0), loaded as "built by
+#                         another compiler" instead of compiling here; compiled here if it does not load
 # GPU_CHECK_TESTS / GPU_CHECK_BENCH=0 skip a part; GPU_CHECK_PYTEST_ARGS adds pytest arguments (-k ...).
 set -uo pipefail
 cd "$(dirname "$0")/.."
