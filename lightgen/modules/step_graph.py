@@ -111,7 +111,7 @@ class StepGraph:
         with torch.cuda.stream(stream):
             result = work()
         current.wait_stream(stream)
-        if isinstance(result, torch.Tensor):
+        if isinstance(result, torch.Tensor) and result.is_cuda:
             result.record_stream(current)
         return result
 
