@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a machine with a GPU: build the kernels (CPU, and CUDA for the visible GPU), run the cuda-marked tests and
-# the GPU generate() benchmark, and leave the environment report, build logs, a JUnit report and the benchmark's
+# the GPU generate() benchmark, and leave the environment report with the build logs, a JUnit report and the benchmark's
 # JSON, chart and profile in $OUT (default ./gpu-check). Uses $PYTHON (default python3, with pytest-xdist and
 # pytest-timeout) and this checkout (PYTHONPATH), and, where present:
 #   .whl/*.whl            wheels the machine lacks (transformers in lightgen's range), installed to /tmp/site
@@ -37,8 +37,8 @@ if compgen -G ".gpu-prebuilt/*" > /dev/null; then
 fi
 "$py" -m lightgen.env 2>&1 | tee -a "$out/env.txt"
 echo "build (or cache load): $((SECONDS - started)) s" | tee -a "$out/env.txt"
-for log in "$TORCH_EXTENSIONS_DIR"/*/build.log; do
-    [ -f "$log" ] && { echo "=== $log"; cat "$log"; } >> "$out/build-logs.txt"
+for log in "$TORCH_EXTENSIONS_DIR"/*/build.log; do  # into env.txt: a lent GPU machine returns at most 8 files
+    [ -f "$log" ] && { echo "=== $log"; cat "$log"; } >> "$out/env.txt"
 done
 
 status=0
