@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with a GPU: build the kernels (CPU, and CUDA for the visible GPU), run the cuda-marked tests and
 # the GPU generate() benchmark, and leave the environment report with the build logs, a JUnit report and the
-# benchmark's JSON, chart and profile in $OUT (default ./gpu-check). Uses $PYTHON (default python3, with pytest-xdist and
-# pytest-timeout) and this checkout (PYTHONPATH), and, where present:
+# benchmark's JSON, chart and profile in $OUT (default ./gpu-check). Uses $PYTHON (default python3, with
+# pytest-xdist and pytest-timeout) and this checkout (PYTHONPATH), and, where present:
 #   .whl/*.whl            wheels the machine lacks (transformers in lightgen's range), installed to /tmp/site
 #   .gpu-prebuilt/<dir>   a CUDA library built elsewhere for the GPU machine's torch build (in a venv with that torch:
 #                         TORCH_EXTENSIONS_DIR=.gpu-prebuilt lightgen build-cuda --arch 9.0), loaded as "built by
