@@ -339,7 +339,8 @@ class Decoder:
         continues from its last position. ``embeds`` [N, T, E] replaces the tokens' lookup (HF's
         ``inputs_embeds``; ``tokens`` is then None); ``token_types`` [N, T] (GPT-2's token_type_ids) default
         to each row's last prompt token type. With ``state.observed`` set, the step also records HF's
-        attentions and hidden states.
+        attentions and hidden states. One-token steps after the prompt on a GPU replay the request's CUDA graph
+        (``_replayable``; modules/step_graph.py), the same computation as ``_step``.
         """
         cache = state.cache
         length = (tokens if embeds is None else embeds).shape[1]

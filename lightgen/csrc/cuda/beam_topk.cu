@@ -20,10 +20,9 @@ using namespace lightgen::cuda;
 
 constexpr const char* kOp = "lightgen.beam_topk";
 constexpr float kInf = std::numeric_limits<float>::infinity();
-constexpr int kStatsThreads = 256;
+constexpr int kRowThreads = 256;
 constexpr int kSelectThreads = 512;
 constexpr int kQueue = 2048;  // candidates sorted in shared memory (16 KB)
-
 
 // Descending value, then ascending index: torch.sort(stable=True, descending=True) order.
 __device__ __forceinline__ bool ranks_before(float av, int ai, float bv, int bi) {
@@ -31,7 +30,7 @@ __device__ __forceinline__ bool ranks_before(float av, int ai, float bv, int bi)
 }
 
 // errors[0]: smallest row of 'scores' holding NaN or +inf; errors[1]: of 'beam_scores'; both start at INT_MAX.
-__global__ void __launch_bounds__(kStatsThreads)
+__global__ void __launch_bounds__(kRowThreads)
     row_thresholds_kernel(const float* __restrict__ scores, const float* __restrict__ beam_scores, int64_t vocab,
                           int64_t k, float* __restrict__ thresholds, int* __restrict__ errors) {
   __shared__ float scratch[32];
@@ -63,9 +62,9 @@ __global__ void __launch_bounds__(kStatsThreads)
 // One block per batch item: survivors[item] and, unless they overflow the queue, the item's top k.
 __global__ void __launch_bounds__(kSelectThreads)
     select_kernel(const float* __restrict__ scores, const float* __restrict__ beam_scores,
-                  const float* __restrict__ thresholds,
-                  int beams, int64_t vocab, int64_t k, float* __restrict__ values, int64_t* __restrict__ indices,
-                  int64_t* __restrict__ survivors, int* __restrict__ overflow) {
+                  const float* __restrict__ thresholds, int beams, int64_t vocab, int64_t k,
+                  float* __restrict__ values, int64_t* __restrict__ indices, int64_t* __restrict__ survivors,
+                  int* __restrict__ overflow) {
   __shared__ float queue_value[kQueue];
   __shared__ int queue_index[kQueue];
   __shared__ int count;
@@ -180,13 +179,13 @@ std::tuple<Tensor, Tensor, Tensor> beam_topk(const Tensor& scores_in, const c10:
   // errors: bad scores row, bad beam_scores row (INT_MAX: none), queue overflow flag.
   Tensor flags = at::tensor({INT_MAX, INT_MAX, 0}, options.dtype(at::kInt));
   const float* beam_p = beam_scores.defined() ? beam_scores.data_ptr<float>() : nullptr;
-  row_thresholds_kernel<<<rows, kStatsThreads, 0, stream>>>(scores.data_ptr<float>(), beam_p, vocab, k,
-                                                             thresholds.data_ptr<float>(), flags.data_ptr<int>());
+  row_thresholds_kernel<<<rows, kRowThreads, 0, stream>>>(scores.data_ptr<float>(), beam_p, vocab, k,
+                                                           thresholds.data_ptr<float>(), flags.data_ptr<int>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   select_kernel<<<batch, kSelectThreads, 0, stream>>>(scores.data_ptr<float>(), beam_p, thresholds.data_ptr<float>(),
-                                                      beams, vocab, k,
-                                                      values.data_ptr<float>(), indices.data_ptr<int64_t>(),
-                                                      survivors.data_ptr<int64_t>(), flags.data_ptr<int>() + 2);
+                                                      beams, vocab, k, values.data_ptr<float>(),
+                                                      indices.data_ptr<int64_t>(), survivors.data_ptr<int64_t>(),
+                                                      flags.data_ptr<int>() + 2);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   // One small copy back (a stream sync, as the reference's NaN check is): errors are raised as on the CPU.
@@ -199,8 +198,7 @@ std::tuple<Tensor, Tensor, Tensor> beam_topk(const Tensor& scores_in, const c10:
   // candidates picks and orders them (the select kernel above still counts survivors).
   if (f[2] || !stable) {
     Tensor all = at::empty({batch, beams * vocab}, options);
-    candidates_kernel<<<rows, kStatsThreads, 0, stream>>>(scores.data_ptr<float>(), beam_p, vocab,
-                                                           all.data_ptr<float>());
+    candidates_kernel<<<rows, kRowThreads, 0, stream>>>(scores.data_ptr<float>(), beam_p, vocab, all.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (stable) {
       auto [sorted_values, sorted_indices] = at::sort(all, /*stable=*/true, /*dim=*/1, /*descending=*/true);
