@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from lightgen import ops
@@ -32,7 +32,6 @@ from lightgen.generation.draft_policy import (  # noqa: F401
     measured_cost,
     measured_history,
 )
-from lightgen.generation.tokens import pad_rows
 from lightgen.modules.decoder import Decoder
 
 SUFFIX_LENGTHS = (1, 2, 3)
@@ -108,7 +107,11 @@ class CopyFromInput:
     def __init__(self, sources: list[list[int]]) -> None:
         self.sources = sources
         self._indexes = [_suffix_index(source) for source in sources]
-        self._table: torch.Tensor | None = None  # sources padded with -1, for drafting as one gather
+        # The sources padded with -1 (one column more than the longest), for drafting as one gather.
+        longest = max(map(len, sources), default=0)
+        self._table = np.full((len(sources), longest + 1), -1, dtype=np.int64)
+        for row, source in enumerate(sources):
+            self._table[row, :len(source)] = source
 
     def draft(self, rows, outputs, sizes):
         drafts = []
@@ -117,25 +120,19 @@ class CopyFromInput:
             drafts.append([] if start is None else self.sources[row][start:start + size])
         return drafts
 
-    def draft_tensor(self, rows: torch.Tensor, tails: list[list[int]], sizes: torch.Tensor) -> torch.Tensor:
-        """``draft`` on tensors: rows [N] (batch rows), each row's last tokens ``tails`` (up to the longest
-        suffix), sizes [N] -> drafts [N, max(sizes)], -1 after each row's draft."""
-        width = int(sizes.max()) if sizes.numel() else 0
-        device = sizes.device
-        if self._table is None or self._table.device != device:
-            longest = max(map(len, self.sources), default=0)
-            self._table = torch.tensor([source + [-1] * (longest - len(source)) for source in self.sources],
-                                       dtype=torch.long, device=device).reshape(len(self.sources), longest)
+    def draft_array(self, rows: np.ndarray, tails: list[list[int]], sizes: np.ndarray) -> np.ndarray:
+        """``draft`` on arrays: rows [N] (batch rows), each row's last tokens ``tails`` (up to the longest
+        suffix), sizes [N] -> drafts [N, max(sizes)] int64, -1 after each row's draft."""
+        width = int(sizes.max()) if sizes.size else 0
         if width == 0:
-            return torch.empty(len(tails), 0, dtype=torch.long, device=device)
+            return np.empty((len(tails), 0), dtype=np.int64)
         starts = [_anchor(tail, self._indexes[row]) for row, tail in zip(rows.tolist(), tails, strict=True)]
-        found = torch.tensor([start is not None for start in starts], device=device)
-        begin = torch.tensor([start or 0 for start in starts], device=device)
-        table = F.pad(self._table, (0, width), value=-1)[rows]
-        places = begin[:, None] + torch.arange(width, device=device)
-        drafts = table.gather(1, places)
-        keep = found[:, None] & (torch.arange(width, device=device) < sizes[:, None])
-        return drafts.masked_fill(~keep, -1)
+        missing = self._table.shape[1] - 1  # a column of -1 in every row
+        begin = np.array([missing if start is None else start for start in starts], dtype=np.int64)
+        places = np.minimum(begin[:, None] + np.arange(width), missing)
+        drafts = self._table[rows[:, None], places]
+        drafts[np.arange(width) >= sizes[:, None]] = -1
+        return drafts
 
     def close(self) -> None:
         pass
@@ -157,15 +154,16 @@ class Acceptance:
     def reads_logits(self) -> bool:
         return self.beta > 1
 
-    def accepted(self, logits: torch.Tensor | None, predictions: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    def accepted(self, logits: torch.Tensor | None, predictions: np.ndarray, drafts: np.ndarray) -> np.ndarray:
         """logits [N, 1 + K, V] (None when not ``reads_logits``), their argmax ``predictions`` [N, 1 + K],
         drafts [N, K] (-1 after a row's draft) -> [N, K] bool: slot k passes."""
         if not self.reads_logits:
             return predictions[:, :-1] == drafts
+        drafts = torch.from_numpy(drafts).to(logits.device)
         log_probs = logits[:, :-1].log_softmax(-1)
         best, candidates = log_probs.topk(self.beta, dim=-1)
         drafted = log_probs.gather(-1, drafts.clamp(min=0)[..., None])[..., 0]
-        return (candidates == drafts[..., None]).any(-1) & (best[..., 0] - drafted <= self.tau)
+        return ((candidates == drafts[..., None]).any(-1) & (best[..., 0] - drafted <= self.tau)).cpu().numpy()
 
 
 GREEDY = Acceptance()  # beta=1: greedy's output exactly
@@ -204,25 +202,28 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
     needs as many spare positions as the longest draft: padding after short drafts is written there and rolled
     back.
 
-    The bookkeeping is tensor ops over the rows still decoding (``sequences`` holds every row's tokens so
-    far, ``lengths`` how many): per-row Python runs only where a drafter takes token lists."""
+    The bookkeeping runs on the host, in NumPy, over the rows still decoding (``sequences`` holds every row's
+    tokens so far, ``lengths`` how many): a pass's few dozen operations on a handful of numbers each cost ~1 us
+    there, as torch ops 5-10 us (the demo model at batch 1: ~0.8 ms around a 0.66 ms pass). Only the tokens fed
+    and each pass's argmax cross to and from the decoder's device. Per-row Python runs only where a drafter
+    takes token lists."""
     rows, prompt_len = input_ids.shape
     device = input_ids.device
-    sequences = torch.full((rows, max_length), pad_token_id, dtype=torch.long, device=device)
-    sequences[:, :prompt_len] = input_ids
-    lengths = torch.full((rows,), prompt_len, dtype=torch.long, device=device)
-    live = torch.arange(rows, device=device)  # batch row of each row still decoding
-    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+    sequences = np.full((rows, max_length), pad_token_id, dtype=np.int64)
+    sequences[:, :prompt_len] = input_ids.cpu().numpy()
+    lengths = np.full(rows, prompt_len, dtype=np.int64)
+    live = np.arange(rows)  # batch row of each row still decoding
+    eos = np.array(sorted(eos_ids), dtype=np.int64)
     policy = DraftPolicy(rows, pass_cost if pass_cost is not None else default_cost(decoder, drafter),
                          default_history(decoder, drafter))
-    history: list[tuple[torch.Tensor, torch.Tensor]] = []  # per pass: (rows in it, tokens each added)
+    history: list[tuple[np.ndarray, np.ndarray]] = []  # per pass: (rows in it, tokens each added)
 
     def next_pass():
         """The next pass's logits, argmax and drafts, as ``_draft_and_verify`` gives them, after the plain greedy
         steps that come first when the policy drafts nothing."""
         per_row = max_draft.per_row(live.shape[0]) if isinstance(max_draft, DraftBudget) else max_draft
         # The verifier's own token needs one more place after the draft.
-        sizes = policy.plan((max_length - lengths[live] - 1).clamp(max=per_row))
+        sizes = policy.plan(np.minimum(max_length - lengths[live] - 1, per_row))
         if not policy.drafting:
             return _greedy_steps(decoder, state, policy, sequences, lengths, live, eos, max_length, history, streamer)
         return _draft_and_verify(decoder, state, drafter, policy, sizes, sequences, lengths, live, pad_token_id,
@@ -232,39 +233,40 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
         logits, best, drafts = next_pass()
     else:
         logits = decoder.step(state, input_ids, prompt_positions)[:, None]  # the prompt pass: [rows, 1, V]
-        best = ops.greedy_tokens(logits)
-        drafts = best.new_empty(rows, 0)
+        best = ops.greedy_tokens(logits).cpu().numpy()
+        drafts = np.empty((rows, 0), dtype=np.int64)
     while True:
         width = drafts.shape[1]
         accepted = acceptance.accepted(logits, best, drafts).cumprod(-1).sum(-1)  # [rows]
         if policy.drafting:  # a pass whose asks all came back empty still tells how often drafts are found
             policy.observe((drafts >= 0).sum(-1), accepted)
-        places = torch.arange(width + 1, device=device)
+        places = np.arange(width + 1)
+        row_lengths = lengths[live]
         # A row adds its accepted draft tokens and the verifier's token after them ...
-        new_tokens = torch.where(places < accepted[:, None], F.pad(drafts, (0, 1), value=-1), best)
-        taken = torch.minimum(accepted + 1, max_length - lengths[live])
+        new_tokens = np.where(places < accepted[:, None], np.pad(drafts, ((0, 0), (0, 1)), constant_values=-1), best)
+        taken = np.minimum(accepted + 1, max_length - row_lengths)
         # ... up to its first EOS, or up to max_length (where HF's ForcedEOSTokenLogitsProcessor forces EOS).
-        ends = torch.isin(new_tokens, eos) & (places < taken[:, None])
+        ends = np.isin(new_tokens, eos) & (places < taken[:, None])
         ended = ends.any(-1)
-        taken = torch.where(ended, ends.int().argmax(-1) + 1, taken)
-        full = lengths[live] + taken >= max_length
+        taken = np.where(ended, ends.argmax(-1) + 1, taken)
+        full = row_lengths + taken >= max_length
         if forced_eos is not None:
             new_tokens[full, taken[full] - 1] = forced_eos
         kept = places < taken[:, None]
-        columns = lengths[live][:, None] + places
-        sequences.index_put_((live[:, None].expand_as(columns)[kept], columns[kept]), new_tokens[kept])
+        columns = row_lengths[:, None] + places
+        sequences[np.broadcast_to(live[:, None], columns.shape)[kept], columns[kept]] = new_tokens[kept]
         lengths[live] += taken
         history.append((live, taken))
         if streamer is not None:
-            streamer.put(new_tokens[:1, :int(taken[0])].cpu())
-        state.roll_back(width - accepted)
+            streamer.put(torch.from_numpy(new_tokens[:1, :int(taken[0])].copy()))
+        state.roll_back(torch.from_numpy(width - accepted).to(device))
         finished = ended | full
-        if bool(finished.all()):
+        if finished.all():
             policy.finish()
             break
-        if bool(finished.any()):
-            keep = (~finished).nonzero().squeeze(1)
-            state.keep_rows(keep)
+        if finished.any():
+            keep = np.flatnonzero(~finished)
+            state.keep_rows(torch.from_numpy(keep).to(device))
             policy.keep(keep)
             live = live[keep]
         logits, best, drafts = next_pass()
@@ -272,7 +274,7 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
     for pass_rows, pass_tokens in history:
         for row, count in zip(pass_rows.tolist(), pass_tokens.tolist(), strict=True):
             gained[row].append(count)
-    return sequences[:, :int(lengths.max())].to(input_ids.dtype), gained
+    return torch.from_numpy(sequences[:, :int(lengths.max())]).to(device=device, dtype=input_ids.dtype), gained
 
 
 def default_cost(decoder, drafter) -> PassCost:
@@ -298,9 +300,11 @@ def _greedy_steps(decoder, state, policy: DraftPolicy, sequences, lengths, live,
     row_lengths = lengths[live]
     # Steps before the longest row's next token would reach max_length: the main loop takes that one.
     steps = max(1, min(policy.greedy_steps(), max_length - int(row_lengths.max())))
-    last = sequences[live, row_lengths - 1]
-    tokens = last.new_empty(last.shape[0], steps)
-    one_each = torch.ones_like(last)
+    device = state.next_position.device
+    last = torch.from_numpy(sequences[live, row_lengths - 1]).to(device)
+    eos = torch.from_numpy(eos).to(device)
+    tokens = []
+    one_each = np.ones(live.shape[0], dtype=np.int64)
     for step in range(steps):
         started = time.perf_counter()
         logits = decoder.step(state, last[:, None])
@@ -309,15 +313,15 @@ def _greedy_steps(decoder, state, policy: DraftPolicy, sequences, lengths, live,
         policy.timed(last.shape[0], started, time.perf_counter())
         if ended or step == steps - 1:
             break
-        tokens[:, step] = last = best
+        tokens.append(best)
+        last = best
         history.append((live, one_each))
         if streamer is not None:
             streamer.put(best[:1, None].cpu())
     if step:
-        columns = row_lengths[:, None] + torch.arange(step, device=row_lengths.device)
-        sequences[live[:, None], columns] = tokens[:, :step]
+        sequences[live[:, None], row_lengths[:, None] + np.arange(step)] = torch.stack(tokens, 1).cpu().numpy()
         lengths[live] += step
-    return logits[:, None], best[:, None], best.new_empty(best.shape[0], 0)
+    return logits[:, None], best[:, None].cpu().numpy(), np.empty((best.shape[0], 0), dtype=np.int64)
 
 
 def _draft_and_verify(decoder, state, drafter, policy: DraftPolicy, sizes, sequences, lengths, live, pad_token_id,
@@ -325,59 +329,60 @@ def _draft_and_verify(decoder, state, drafter, policy: DraftPolicy, sizes, seque
     """Drafts of up to ``sizes`` [rows] tokens for the rows still decoding, cut to the width the policy picks, and
     one pass verifying them: the logits [rows, 1 + K, V] when the acceptance rule reads them (None otherwise),
     their argmax [rows, 1 + K] (-1 at the padding after short drafts, which greedy acceptance never reads, so
-    lightgen's decoder skips their LM head) and the drafts [rows, K] (-1 after each row's draft). The pass's time
-    goes to the policy's cost line."""
+    lightgen's decoder skips their LM head) and the drafts [rows, K] (-1 after each row's draft), on the host. The
+    pass's time goes to the policy's cost line."""
     row_lengths = lengths[live]
-    drafts = _within_vocabulary(_draft(drafter, live, sequences, row_lengths, sizes.to(live.device)),
+    drafts = _within_vocabulary(_draft(drafter, live, sequences, row_lengths, sizes),
                                 decoder.spec.token_embedding.shape[0])
     draft_lengths = (drafts >= 0).sum(-1)
     drafts = drafts[:, :policy.width(draft_lengths)]
-    draft_lengths = draft_lengths.clamp(max=drafts.shape[1])
-    device = state.next_position.device
-    last = sequences[live, row_lengths - 1]
-    tokens = torch.cat([last[:, None], drafts.clamp(min=0)], 1)
     width = drafts.shape[1]
-    real = torch.arange(1 + width, device=device) <= draft_lengths[:, None]
-    tokens = tokens.masked_fill(~real, pad_token_id)
+    real = np.arange(1 + width) <= draft_lengths[:, None]
+    tokens = np.concatenate([sequences[live, row_lengths - 1][:, None], drafts], 1)
+    tokens[~real] = pad_token_id
     # Padding after short drafts is computed and rolled back; clamp its positions into the table.
-    positions = (state.next_position[:, None] + torch.arange(1 + width, device=device)).clamp(
-        max=decoder.spec.position_limit - 1)
+    next_position = state.next_position
+    positions = np.minimum(next_position.cpu().numpy()[:, None] + np.arange(1 + width),
+                           decoder.spec.position_limit - 1)
+    device = next_position.device
     started = time.perf_counter()
+    fed, positions = torch.from_numpy(tokens).to(device), torch.from_numpy(positions).to(device)
     if acceptance.reads_logits or not isinstance(decoder, Decoder):  # fairseq's scorer post-processes every position
-        logits = decoder.step(state, tokens, positions, all_positions=True)
-        best = ops.greedy_tokens(logits)
+        logits = decoder.step(state, fed, positions, all_positions=True)
+        best = ops.greedy_tokens(logits).cpu().numpy()
     else:
         logits = None
-        best = torch.full(tokens.shape, -1, dtype=torch.long, device=device)
-        best[real] = ops.greedy_tokens(decoder.step(state, tokens, positions, scored=real))
-    if best.is_cuda:  # kernels run asynchronously there
-        torch.cuda.synchronize(best.device)
-    policy.timed(tokens.numel(), started, time.perf_counter())
+        best = np.full(tokens.shape, -1, dtype=np.int64)
+        scored = decoder.step(state, fed, positions, scored=torch.from_numpy(real).to(device))
+        best[real] = ops.greedy_tokens(scored).cpu().numpy()  # on a GPU, waits for the pass
+    policy.timed(tokens.size, started, time.perf_counter())
     return logits, best, drafts
 
 
-def _within_vocabulary(drafts: torch.Tensor, vocab: int) -> torch.Tensor:
+def _within_vocabulary(drafts: np.ndarray, vocab: int) -> np.ndarray:
     """A drafter only proposes: a draft ends before its first id outside the vocabulary (negative, or past
     the embedding), which greedy could never have chosen, so the verifier's own token takes its place."""
     outside = (drafts < 0) | (drafts >= vocab)  # -1 after a draft's end counts too: it stays -1
-    return drafts.masked_fill(outside.cummax(-1).values, -1) if bool(outside.any()) else drafts
+    return np.where(np.logical_or.accumulate(outside, axis=-1), -1, drafts) if outside.any() else drafts
 
 
-def _draft(drafter, live: torch.Tensor, sequences, row_lengths, sizes) -> torch.Tensor:
+def _draft(drafter, live: np.ndarray, sequences: np.ndarray, row_lengths: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """[rows, max(sizes)] draft tokens, -1 after each row's draft."""
-    if not bool((sizes > 0).any()):
-        return sizes.new_empty(sizes.shape[0], 0)
-    longest = SUFFIX_LENGTHS[-1]
+    if not (sizes > 0).any():
+        return np.empty((sizes.shape[0], 0), dtype=np.int64)
     if isinstance(drafter, CopyFromInput):
-        # Only the suffixes that anchors are looked up by leave the tensors.
-        ends = row_lengths[:, None] - torch.arange(min(longest, sequences.shape[1]), 0, -1, device=sizes.device)
-        tails = sequences[live[:, None], ends.clamp(min=0)].tolist()
+        # Only the suffixes that anchors are looked up by leave the arrays.
+        ends = row_lengths[:, None] - np.arange(min(SUFFIX_LENGTHS[-1], sequences.shape[1]), 0, -1)
+        tails = sequences[live[:, None], ends.clip(min=0)].tolist()
         tails = [tail[max(0, len(tail) - length):] for tail, length in zip(tails, row_lengths.tolist(), strict=True)]
-        return drafter.draft_tensor(live, tails, sizes)
+        return drafter.draft_array(live, tails, sizes)
     outputs = [row[:length] for row, length in zip(sequences[live].tolist(), row_lengths.tolist(), strict=True)]
     limits = sizes.tolist()
     drafts = drafter.draft(live.tolist(), outputs, limits)
     if len(drafts) != len(outputs):
         raise ValueError(f"the drafter returned {len(drafts)} drafts for {len(outputs)} rows")
     drafts = [list(map(int, draft))[:size] for draft, size in zip(drafts, limits, strict=True)]
-    return pad_rows([[*draft, -1] for draft in drafts], -1, sizes.device)[:, :-1]
+    table = np.full((len(drafts), max(map(len, drafts))), -1, dtype=np.int64)
+    for row, draft in enumerate(drafts):
+        table[row, :len(draft)] = draft
+    return table

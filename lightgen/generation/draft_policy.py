@@ -27,7 +27,6 @@ import collections
 import math
 
 import numpy as np
-import torch
 
 # Pseudo-counts of accepted / rejected draft tokens before a row has drafted: p = 2/3 on a decoder's first call,
 # then the same weight at the mean acceptance its earlier calls saw (AcceptanceHistory).
@@ -239,7 +238,7 @@ class DraftPolicy:
         prior = self.prior_found + self.prior_missed
         return (self.found + self.prior_found) / (self.found + self.missed + prior)
 
-    def plan(self, limits: torch.Tensor) -> torch.Tensor:
+    def plan(self, limits) -> np.ndarray:
         """``limits`` [rows] int64 (the most each row may draft) -> how many tokens to ask the drafter for:
         the worthwhile ones, up to the pass width they would pay for (or a one-token probe). All zeros (and
         ``drafting`` False): plain greedy steps, ``greedy_steps()`` of them; until they have run, plans (after rows
@@ -247,16 +246,16 @@ class DraftPolicy:
         self._probing = False
         if self._greedy_left > 0:
             self._planned = 0
-            return torch.zeros_like(limits)
+            return np.zeros(len(limits), dtype=np.int64)
         worthwhile = np.floor(math.log(WORTHWHILE) / np.log(self.acceptance())).clip(min=0)  # p^i >= WORTHWHILE
-        self._sizes = sizes = np.minimum(limits.cpu().numpy(), worthwhile.astype(np.int64))
+        self._sizes = sizes = np.minimum(np.asarray(limits), worthwhile.astype(np.int64))
         self._planned = self._best_width(sizes, drafted=False)
         if self._planned > 0:
             self.history.greedy_steps = 0
         elif bool((sizes > 0).any()) and self.history.greedy_steps >= self._probe_wait():
             self.history.greedy_steps, self._probing, self._planned = 0, True, 1
         self._asked = sizes.clip(max=self._planned)
-        return torch.from_numpy(self._asked)
+        return self._asked
 
     @property
     def drafting(self) -> bool:
@@ -285,10 +284,10 @@ class DraftPolicy:
         return int(min(max(math.ceil((probe - greedy) / (PROBE_SHARE * greedy)), FIRST_PROBE_WAIT),
                        LONGEST_PROBE_WAIT))
 
-    def width(self, lengths: torch.Tensor) -> int:
+    def width(self, lengths) -> int:
         """``lengths`` [rows] int64 (the drafts the drafter gave, at most as planned) -> K, the draft tokens
         per row this pass verifies: drafts shorter than planned may pay for a narrower pass."""
-        lengths = lengths.cpu().numpy()
+        lengths = np.asarray(lengths)
         self._found = lengths > 0
         if self._probing:
             return min(self._planned, int(lengths.max()) if lengths.size else 0)
@@ -319,10 +318,10 @@ class DraftPolicy:
         found = (self.availability()[:, None] * expected)[:, :width].sum()
         return width if (rows + found) / seconds[width] >= rate[0] else 0
 
-    def observe(self, offered: torch.Tensor, accepted: torch.Tensor) -> None:
+    def observe(self, offered, accepted) -> None:
         """Each row verified ``offered`` [rows] draft tokens and kept the first ``accepted`` [rows]; the rows the last
         plan asked for a draft found one or not (``width`` saw the drafter's lengths)."""
-        offered, accepted = offered.cpu().numpy().astype(np.float64), accepted.cpu().numpy().astype(np.float64)
+        offered, accepted = np.asarray(offered, dtype=np.float64), np.asarray(accepted, dtype=np.float64)
         drafted, rejected = offered > 0, accepted < offered
         self.accepted = np.where(drafted, self.accepted * DECAY + accepted, self.accepted)
         self.rejected = np.where(drafted, self.rejected * DECAY + rejected, self.rejected)
@@ -338,8 +337,8 @@ class DraftPolicy:
         """The call is over: what its drafts kept goes to the history that later calls start from."""
         self.history.add(*self.totals)
 
-    def keep(self, slots: torch.Tensor) -> None:
-        slots = slots.cpu().numpy()
+    def keep(self, slots) -> None:
+        slots = np.asarray(slots)
         self.accepted, self.rejected, self._sizes = self.accepted[slots], self.rejected[slots], self._sizes[slots]
         self.found, self.missed, self._asked = self.found[slots], self.missed[slots], self._asked[slots]
 

@@ -410,6 +410,7 @@ def test_indexed_anchors_and_tensor_drafts_match_scanning():
         for output, row in zip(outputs, rows):
             assert find_anchor(output, sources[row]) == _find_anchor_by_scanning(output, sources[row])
         lists = drafter.draft(rows, outputs, sizes)
-        tensor = drafter.draft_tensor(torch.tensor(rows), [output[-3:] for output in outputs], torch.tensor(sizes))
-        assert [[t for t in row if t >= 0] for row in tensor.tolist()] == lists
-        assert all(set(row[len(draft):]) <= {-1} for row, draft in zip(tensor.tolist(), lists))
+        array = drafter.draft_array(np.array(rows), [output[-3:] for output in outputs], np.array(sizes))
+        assert array.shape == (len(rows), max(sizes))
+        assert [[t for t in row if t >= 0] for row in array.tolist()] == lists
+        assert all(set(row[len(draft):]) <= {-1} for row, draft in zip(array.tolist(), lists))
