@@ -243,10 +243,11 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
         places = np.arange(width + 1)
         row_lengths = lengths[live]
         # A row adds its accepted draft tokens and the verifier's token after them ...
-        new_tokens = np.where(places < accepted[:, None], np.pad(drafts, ((0, 0), (0, 1)), constant_values=-1), best)
+        new_tokens = best.copy()
+        new_tokens[:, :width] = np.where(places[:-1] < accepted[:, None], drafts, best[:, :width])
         taken = np.minimum(accepted + 1, max_length - row_lengths)
         # ... up to its first EOS, or up to max_length (where HF's ForcedEOSTokenLogitsProcessor forces EOS).
-        ends = np.isin(new_tokens, eos) & (places < taken[:, None])
+        ends = (new_tokens[..., None] == eos).any(-1) & (places < taken[:, None])  # np.isin costs ~60 us here
         ended = ends.any(-1)
         taken = np.where(ended, ends.argmax(-1) + 1, taken)
         full = row_lengths + taken >= max_length
@@ -254,7 +255,7 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
             new_tokens[full, taken[full] - 1] = forced_eos
         kept = places < taken[:, None]
         columns = row_lengths[:, None] + places
-        sequences[np.broadcast_to(live[:, None], columns.shape)[kept], columns[kept]] = new_tokens[kept]
+        sequences[np.repeat(live, taken), columns[kept]] = new_tokens[kept]
         lengths[live] += taken
         history.append((live, taken))
         if streamer is not None:

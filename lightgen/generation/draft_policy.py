@@ -55,8 +55,8 @@ class PassCost:
     """Seconds per decoder pass against the positions it feeds (rows x width), measured on one decoder, and the
     seconds around a pass: an iteration that drafts and one that is a plain greedy step.
 
-    Per position count the mean of the faster half of its last few times, then a least-squares line
-    ``a + b * positions`` through them; with none seen, every pass costs the same (the policy then drafts in
+    Per position count timed twice or more, the mean of the faster half of its last few times, then a least-squares
+    line ``a + b * positions`` through them; with none seen, every pass costs the same (the policy then drafts in
     full, as fixed-length drafting did, and so sees more widths). Why the faster
     half: load only adds time, and dropping the slower half drops its spikes; but the counts are seen
     unequally often (the policy soon stops drafting wide: a wide count keeps one or two times while the
@@ -79,9 +79,13 @@ class PassCost:
         times = self._times.pop(positions, None) or collections.deque(maxlen=self._window)
         times.append(seconds)
         self._times[positions] = times  # most recently seen last; the oldest count goes first
-        self._means[positions] = _faster_half_mean(times)
+        # A count enters the line with its second time (the faster of the two): its first is often its shape's first
+        # run in the process (the demo model's first 8-position pass: 2.2 ms, later ones ~0.7), or a spike, and a
+        # count that looks dear is rarely timed again: IAD then stayed greedy for the rest of the process.
+        if len(times) >= 2:
+            self._means[positions] = _faster_half_mean(times)
         if len(self._times) > self._counts:
-            del self._means[self._times.popitem(last=False)[0]]
+            self._means.pop(self._times.popitem(last=False)[0], None)
         self._line = None
 
     def observe_around(self, drafting: bool, rows: int, seconds: float) -> None:
@@ -90,7 +94,11 @@ class PassCost:
     def around(self, drafting: bool, rows: int) -> float:
         """Seconds an iteration over ``rows`` costs outside the decoder's pass (0 before any was seen)."""
         line = self._around.get(drafting)
-        return float(line(rows)) if line is not None else 0.0
+        return float(line(rows)) if line is not None and line.seen() else 0.0
+
+    def seen(self) -> bool:
+        """Whether some count is in the line (timed twice)."""
+        return bool(self._means)
 
     def fitted(self) -> bool:
         """Whether the line rests on two position counts or more."""

@@ -211,15 +211,20 @@ def test_plans_stay_greedy_until_the_greedy_steps_have_run():
 
 
 def test_an_unfitted_line_tries_the_unseen_widths():
-    """One position count seen: fewer positions cost proportionally less, more the same, so each side is tried."""
+    """One position count seen: fewer positions cost proportionally less, more the same, so each side is tried.
+    A count is seen once timed twice (its faster time: the first run of a shape is often slow)."""
     cost = PassCost()
+    cost.observe(9, 0.05)
+    assert cost(np.array([1, 9])).tolist() == [1.0, 1.0]  # nothing seen yet: all widths alike
     cost.observe(9, 0.009)
     assert not cost.fitted()
     assert cost(np.array([1, 9, 17])).tolist() == pytest.approx([0.001, 0.009, 0.009])
     policy = DraftPolicy(1, cost)
     policy.accepted = np.array([2.0])  # p = 0.8: a whole draft would be worth a flat pass
-    assert policy.plan(torch.tensor([8])).tolist() == [0] and policy.greedy_steps() == 1
-    policy.timed(1, 0.0, 0.005)  # the greedy step
+    for step in range(2):  # greedy steps until the one-position count is seen
+        assert not cost.fitted()
+        assert policy.plan(torch.tensor([8])).tolist() == [0] and policy.greedy_steps() == 1
+        policy.timed(1, step, step + 0.005)
     assert cost.fitted() and policy.plan(torch.tensor([8])).tolist() == [8]
 
 
@@ -327,9 +332,9 @@ def test_pass_cost_fits_the_fastest_time_per_width():
 
 def test_pass_cost_forgets_the_oldest_count_beyond_its_limit():
     cost = PassCost(counts=2)
-    cost.observe(1, 5.0)  # an outlier that would bend the line, then evicted by two newer counts
-    cost.observe(2, 0.2)
-    cost.observe(4, 0.4)
+    for positions, seconds in ((1, 5.0), (2, 0.2), (4, 0.4)):  # count 1 would bend the line, then is evicted
+        cost.observe(positions, seconds)
+        cost.observe(positions, seconds)
     assert cost.line() == pytest.approx((0.1 * 0.2, 0.1))  # through (2, 0.2) and (4, 0.4), the intercept floored
     cost.observe(2, 0.1)  # the faster half of count 2's window: 0.1
     a, b = cost.line()
@@ -362,15 +367,18 @@ def test_pass_cost_prices_the_time_around_a_pass_per_pass():
     policy.plan(torch.tensor([4]))  # flat: drafts whole
     policy.timed(5, 10.0, 10.5)  # the call's first pass: its own 0.5 s
     policy.timed(5, 11.0, 11.5)  # 0.5 s of drafting and acceptance before it
+    assert policy.cost.around(True, 1) == 0.0  # timed once: not seen yet
+    policy.timed(5, 12.0, 12.5)
     policy.accepted, policy.rejected = np.array([0.0]), np.array([50.0])
     policy.plan(torch.tensor([4]))
     assert not policy.drafting
-    policy.timed(1, 11.6, 11.7)  # a greedy step 0.1 s after the pass
-    assert [list(times) for times in policy.cost._times.values()] == [[0.5, 0.5], pytest.approx([0.1])]
+    policy.timed(1, 12.6, 12.7)  # greedy steps 0.1 s after the pass before
+    policy.timed(1, 12.8, 12.9)
+    assert [list(times) for times in policy.cost._times.values()] == [[0.5] * 3, pytest.approx([0.1] * 2)]
     assert policy.cost.around(True, 1) == pytest.approx(0.5) and policy.cost.around(False, 1) == pytest.approx(0.1)
     cost = PassCost()  # a drafter's time grows with the rows it drafts for
-    cost.observe_around(True, 1, 0.002)
-    cost.observe_around(True, 8, 0.005)
+    for rows, seconds in ((1, 0.002), (8, 0.005)) * 2:
+        cost.observe_around(True, rows, seconds)
     assert cost.around(True, 4) == pytest.approx(0.002 + 3 * 0.003 / 7) and cost.around(False, 4) == 0.0
 
 
