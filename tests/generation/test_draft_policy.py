@@ -228,6 +228,22 @@ def test_an_unfitted_line_tries_the_unseen_widths():
     assert cost.fitted() and policy.plan(torch.tensor([8])).tolist() == [8]
 
 
+def test_one_slow_time_does_not_price_a_width():
+    """A shape's first run in a process is slow (buffers allocated, caches cold): one slow time at a count must not
+    make that width look dear, or the policy never drafts it (nor times it) again (the demo model's IAD stayed on
+    greedy steps for the rest of the process: 1.84 tokens a pass)."""
+    cost = PassCost()
+    cost.observe(17, 0.02)  # the first 17-position pass: cold, ~20x what it costs later
+    for _ in range(4):
+        cost.observe(1, 0.0003)
+        cost.observe(2, 0.0004)
+    policy = DraftPolicy(1, cost)
+    policy.accepted = np.array([30.0])  # a row that copies: p ~ 0.97
+    assert policy.plan(np.array([16])).tolist() == [16]
+    cost.observe(17, 0.0018)  # timed again: its faster time prices it
+    assert cost(np.array([17]))[0] < 0.002 and policy.plan(np.array([16])).tolist() == [16]
+
+
 def test_flat_cost_drafts_in_full_and_rows_are_their_own():
     policy = DraftPolicy(3, FixedPassCost())
     assert policy.plan(torch.tensor([5, 5, 2])).tolist() == [5, 5, 2]
