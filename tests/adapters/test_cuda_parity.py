@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from models import DECODER_ONLY, SEQ2SEQ, build, forward_logits, padded_batch, valid_positions
+from models import DECODER_ONLY, SEQ2SEQ, VOCAB, build, forward_logits, padded_batch, valid_positions
 
 import lightgen
 
@@ -81,3 +81,35 @@ def test_replayed_steps_equal_eager_steps_and_hf(family, settings, graph_replays
     assert torch.equal(replayed, eager)
     if not settings.get("do_sample"):
         assert torch.equal(replayed, generate(reference))
+
+
+@pytest.mark.parametrize("family", ["bart", "marian", "gpt2", "llama"])
+@pytest.mark.parametrize("drafts", ["input", "greedy", "corrupted"])
+def test_aggressive_decoding_on_cuda_equals_hf_greedy(family, drafts, monkeypatch):
+    """IAD and GAD on a GPU: the loop's bookkeeping runs on the host, the passes on the device; rows finish at
+    different passes and leave the batch; exact drafts are verified many tokens a pass."""
+    monkeypatch.setenv("LIGHTGEN_FIXED_DRAFTS", "1")  # drafts whole: the pass counts below do not depend on timing
+    model = build(family, seed=5).to("cuda")
+    reference = copy.deepcopy(model)
+    ids, mask = _on_gpu(*padded_batch(family, 4, 9, seed=5))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    expected = reference.generate(**kwargs)
+    accelerated = lightgen.accelerate_model(model)
+    if drafts == "input":
+        out = accelerated.generate(**kwargs, decoding="iad", return_dict_in_generate=True)
+    else:
+        targets = [row.tolist() for row in expected.cpu()]
+
+        def draft(sources, outputs, block_size):  # greedy's own continuation, every third token wrong if corrupted
+            guesses = []
+            for output in outputs:
+                guess = next(t for t in targets if t[:len(output)] == output)[len(output):len(output) + block_size]
+                guesses.append([(t + 1) % VOCAB if drafts == "corrupted" and (len(output) + i) % 3 == 0 else t
+                                for i, t in enumerate(guess)])
+            return guesses
+
+        out = accelerated.generate(**kwargs, decoding="gad", drafter=draft, block_size=5, return_dict_in_generate=True)
+    assert out.sequences.device.type == "cuda" and torch.equal(out.sequences, expected)
+    prompt = 1 if family in SEQ2SEQ else ids.shape[1]
+    if drafts == "greedy" and expected.shape[1] - prompt > 6:
+        assert max(int(row.max()) for row in out.tokens_per_iteration) == 6, "exact drafts: 6 tokens a pass"
