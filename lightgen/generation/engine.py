@@ -375,6 +375,8 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
     aggressive decoding (IAD, GAD) for greedy."""
     if streamer is not None and generation_config.num_beams > 1:  # HF's refusal, word for word
         raise ValueError("`streamer` cannot be used with beam search (yet!). Make sure that `num_beams` is set to 1.")
+    # HF's loops append int64 tokens to the prompt, so int32 input_ids come back int64: the same here.
+    input_ids = input_ids.long() if input_ids.dtype == torch.int32 else input_ids
     if aggressive is not None:
         reason = _aggressive_unsupported(aggressive.name, model, generation_config, logits_processor,
                                          stopping_criteria, input_ids.shape[0], streamer, model_kwargs)

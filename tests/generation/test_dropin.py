@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import transformers as tf
-from models import DECODER_ONLY, SEQ2SEQ, VOCAB, build, padded_batch
+from models import DECODER_ONLY, SEQ2SEQ, VOCAB, build, forward_logits, padded_batch, valid_positions
 from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
@@ -430,3 +430,25 @@ def test_gpt2_token_type_ids_are_hfs(settings, step_counter):
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
     untyped = reference.generate(**kwargs)
     assert not torch.allclose(untyped.scores[0], expected.scores[0], atol=1e-3)  # the types matter
+
+
+@pytest.mark.parametrize("family", sorted(SEQ2SEQ + DECODER_ONLY))
+def test_int32_token_ids_are_taken_as_hf_takes_them(family, step_counter):
+    """Tokenizer and serving code may hand over int32 ids and masks: HF's models embed them and their loops
+    return int64 tokens. lightgen's kernels index with int64; the same logits, tokens and dtype here, in
+    every mode and in IAD."""
+    accelerated, reference = _pair(family, 9)
+    ids, mask = (tensor.int() for tensor in padded_batch(family, 3, 7, seed=9))
+    got, expected = (forward_logits(model, family, ids, mask) for model in (accelerated, reference))
+    valid = valid_positions(family, mask, got)
+    torch.testing.assert_close(got[valid], expected[valid], atol=1e-4, rtol=1e-4)
+    for settings in MODES:
+        expected, got = _generate_both(reference, accelerated, input_ids=ids, attention_mask=mask, max_new_tokens=5,
+                                       **settings)
+        assert got.dtype == expected.dtype == torch.int64, settings
+        assert torch.equal(got, expected), settings
+    with torch.no_grad():
+        expected = reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        got = accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, decoding="iad")
+    assert got.dtype == torch.int64 and torch.equal(got, expected)
+    assert step_counter
