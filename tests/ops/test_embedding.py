@@ -35,8 +35,17 @@ def test_marian_sinusoidal_table():
 def test_out_of_range_ids_raise():
     with pytest.raises(RuntimeError, match="token id 50 .* outside the table"):
         ops.embedding(torch.tensor([[1, 50]]), torch.randn(50, 8))
+    with pytest.raises(RuntimeError, match="token id 50 .* outside the table"):
+        ops.embedding(torch.tensor([[1, 50]], dtype=torch.int32), torch.randn(50, 8))
     with pytest.raises(RuntimeError, match="must be int64"):
-        ops.embedding(torch.tensor([[1, 2]], dtype=torch.int32), torch.randn(50, 8))
+        ops.embedding(torch.tensor([[1, 2]], dtype=torch.int16), torch.randn(50, 8))
+
+
+def test_int32_ids_and_positions_index_as_int64():
+    weight, pos_weight = torch.randn(30, 8), torch.randn(7, 8)
+    ids, positions = torch.randint(0, 30, (2, 5)), torch.randint(0, 7, (2, 5))
+    expected = ops.embedding(ids, weight, 2.0, pos_weight, positions)
+    assert torch.equal(ops.embedding(ids.int(), weight, 2.0, pos_weight, positions.int()), expected)
 
 
 def test_opcheck():
