@@ -118,7 +118,7 @@ def accelerate_model(model, *, quantize: str | None = None, pack: bool = True, *
     if adapter.attention_interface:
         lg_attention.register()
         patcher.previous_attn_implementation = model.config._attn_implementation
-        model.set_attn_implementation(lg_attention.IMPLEMENTATION)
+        model.set_attn_implementation(lg_attention.implementation_for(model.config._attn_implementation))
     decoder, reason = _decoder(adapter, model)
     if decoder is not None:
         patcher.set(model, engine.DECODER_ATTR, decoder)

@@ -22,7 +22,7 @@ import warnings
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import (
     ForcedEOSTokenLogitsProcessor,
@@ -55,8 +55,9 @@ from lightgen.generation.aggressive import (
 from lightgen.generation.diverse import group_beam_search
 from lightgen.generation.drafting import start_session
 from lightgen.memory import cached_cpu_memory
+from lightgen.modules import attention as lg_attention
 from lightgen.modules import step_graph
-from lightgen.modules.decoder import ACCELERATE_ATTR, DECODER_ATTR, Observed
+from lightgen.modules.decoder import ACCELERATE_ATTR, DECODER_ATTR, KeySpan, Observed
 from lightgen.modules.inference import skips_hooks
 
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
@@ -305,6 +306,28 @@ def _attention_windows(cache, layers: int) -> tuple[int, ...] | str:
     return tuple(windows)
 
 
+def _eager_key_spans(cache, layers: int, past: int, new: int) -> tuple[KeySpan, ...]:
+    """Per layer, the keys HF's cache layer hands eager attention in a prompt pass of ``new`` positions after
+    ``past`` (as the layers' ``update`` returns them)."""
+    cache_layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None) or [DynamicLayer()] * layers
+    spans = []
+    for layer in cache_layers:
+        if isinstance(layer, StaticSlidingWindowLayer):
+            size = layer.max_cache_len
+            if past >= size:  # full: its last size - 1 and the new ones
+                spans.append(KeySpan(past - size + 1, size - 1 + new))
+            else:  # every slot, or more than fit: the cached and the new ones
+                spans.append(KeySpan(0, max(size, past + new)))
+        elif isinstance(layer, StaticLayer):
+            spans.append(KeySpan(0, layer.max_cache_len))
+        elif isinstance(layer, DynamicSlidingWindowLayer):
+            kept = min(past, layer.sliding_window - 1)
+            spans.append(KeySpan(past - kept, kept + new))
+        else:
+            spans.append(KeySpan(0, past + new))
+    return tuple(spans)
+
+
 def _unknown_inputs(model, model_kwargs) -> str | None:
     known = _KNOWN_MODEL_KWARGS
     if getattr(model, DECODER_ATTR).spec.token_type_embedding is not None:
@@ -433,6 +456,9 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
     if _observes(generation_config):
         state.observed = Observed(bool(generation_config.output_attentions),
                                   bool(generation_config.output_hidden_states), windows or ())
+    if cache is not None and model.config._attn_implementation == lg_attention.EAGER_IMPLEMENTATION:
+        # Padded positions are seen only in what is returned: the fields above and the cache.
+        state.eager_spans = _eager_key_spans(cache, len(decoder.spec.layers), past, prompt_len - cached)
     try:
         if cache is not None:
             hf_cache.load(state, cache)

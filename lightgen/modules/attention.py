@@ -8,6 +8,9 @@ kernel wins (1.2-1.9x over SDPA). Cases the op does not cover (attention weights
 training, position biases) also go to the sdpa/eager functions. Sliding windows need nothing here: HF's
 mask holds them (sdpa reads only the mask too). Soft-capped scores (Gemma 2), which sdpa refuses, run
 the op (prefill included) or, when gradients are recorded, the family's own eager function.
+
+A model whose own implementation was eager gets "lightgen_eager": the same, except that a query which sees no key
+(a padded prompt position) takes eager's result there, not sdpa's zeros (``with_even_keyless``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from transformers.models.bert.modeling_bert import eager_attention_forward
 from lightgen import ops
 
 IMPLEMENTATION = "lightgen"
+EAGER_IMPLEMENTATION = "lightgen_eager"
 
 _UNSUPPORTED_KWARGS = ("position_bias", "s_aux")
 
@@ -54,6 +58,32 @@ def lightgen_attention_forward(module, query, key, value, attention_mask, scalin
     return out, None
 
 
+def lightgen_eager_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
+    out, weights = lightgen_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    if weights is not None or attention_mask is None or attention_mask.dtype != torch.bool:
+        return out, weights  # eager's own function ran, or no query can be without keys
+    keyless = ~attention_mask[..., :key.shape[-2]].any(-1)  # [B, 1 or H, Tq]
+    return with_even_keyless(out, lambda: value.float().mean(-2), keyless.transpose(1, 2)), None
+
+
+def with_even_keyless(out, mean_value, keyless):
+    """Eager attention's output where a query sees no key: its softmax over scores that are all masked (equal)
+    is even, so the query takes the mean of the values it was handed, ``mean_value()`` [B, Hkv, D]; sdpa and
+    lightgen's kernels give zeros. ``out`` [B, Tq, H, D]; ``keyless`` [B, Tq] or [B, Tq, 1 or H] (bool)."""
+    if not keyless.any():
+        return out
+    mean = mean_value()
+    mean = mean.repeat_interleave(out.shape[2] // mean.shape[1], dim=1)  # [B, H, D]
+    if keyless.dim() == 2:
+        keyless = keyless[..., None]
+    return torch.where(keyless[..., None], mean[:, None].to(out.dtype), out)
+
+
+def implementation_for(hf_implementation: str | None) -> str:
+    """lightgen's implementation for a model that ran ``hf_implementation``."""
+    return EAGER_IMPLEMENTATION if hf_implementation == "eager" else IMPLEMENTATION
+
+
 def _eager(module, query, key, value, attention_mask, is_causal, **kwargs):
     """Attention weights as the module's family computes them: its own ``eager_attention_forward`` (which
     repeats grouped K/V heads), or BERT's for families without one, with K/V heads repeated here."""
@@ -78,4 +108,6 @@ def _eager(module, query, key, value, attention_mask, is_causal, **kwargs):
 
 def register() -> None:
     AttentionInterface.register(IMPLEMENTATION, lightgen_attention_forward)
-    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+    AttentionInterface.register(EAGER_IMPLEMENTATION, lightgen_eager_attention_forward)
+    for name in (IMPLEMENTATION, EAGER_IMPLEMENTATION):
+        AttentionMaskInterface.register(name, sdpa_mask)

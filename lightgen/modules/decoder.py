@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 from typing import Callable
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from lightgen import ops
 from lightgen.modules import native_step, step_graph
+from lightgen.modules.attention import with_even_keyless
 from lightgen.modules.block import BlockSpec, feed_forward, run_block
 from lightgen.modules.kv_cache import POOL, StaticKVCache
 from lightgen.modules.linear import apply_linear, kernel_weights
@@ -142,6 +144,14 @@ def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.view(rows, length, heads, width // heads).transpose(1, 2)
 
 
+class KeySpan(typing.NamedTuple):
+    """The keys HF's cache layer hands attention in a prompt pass: this cache's slots from ``first`` to the pass's
+    end, and ``keys`` in all (more where a static layer hands its unwritten slots too, zeros)."""
+
+    first: int
+    keys: int
+
+
 @dataclasses.dataclass
 class Observed:
     """What HF's forward returns with ``output_attentions`` / ``output_hidden_states``, collected step by step
@@ -192,6 +202,12 @@ class DecodeState:
         # extends them).
         self.token_types = None
         self.observed: Observed | None = None  # set when the caller asked for attentions or hidden states
+        # Set for a model whose HF attention is eager: per layer, the keys HF's cache layer hands attention in the
+        # prompt pass (``KeySpan``). A prompt position that sees no key then takes eager's even spread over them,
+        # weights and output, where the kernels (as sdpa) give zeros: HF returns them in hidden states and
+        # attentions, and the layers after carry them into the cache.
+        self.eager_spans: tuple[KeySpan, ...] | None = None
+        self.spreading = False  # during the prompt pass of such a model, when the prompt is padded
         self.native_plan = None  # the decoder's native_step.Plan for this request, once a step asked for it
         self.step_graph: step_graph.StepGraph | None = None  # on a GPU, once a one-token step ran
 
@@ -235,6 +251,18 @@ class DecodeState:
         self.step_graph = None  # its memory pool with it
         self.cache.release()
         POOL.give_back(*self._pooled)
+
+
+def _spread_keyless(state: DecodeState, span: KeySpan, window: int, values: torch.Tensor,
+                    out: torch.Tensor) -> torch.Tensor:
+    """A prompt pass's ``out`` [N, T, H, D] with eager's result at the positions that see no key (padding before
+    a row's first real token, within ``window``): the mean of the values HF's cache layer hands attention."""
+    past, end = state.cache.length, state.cache.length + out.shape[1]
+    seen = torch.nn.functional.pad(state.key_keep[:, :end].cumsum(-1), (1, 0))  # [:, k]: kept keys before slot k
+    query = torch.arange(past, end, device=out.device)
+    first = (query - window + 1).clamp_min(0) if window else torch.zeros_like(query)
+    keyless = seen[:, query + 1] == seen[:, first]
+    return with_even_keyless(out, lambda: values[:, :, span.first:end].float().sum(-2) / span.keys, keyless)
 
 
 def _select_rows(t: torch.Tensor, rows: torch.Tensor, in_place: bool) -> torch.Tensor:
@@ -323,9 +351,13 @@ class Decoder:
         types = state.token_types[:, -length:] if state.token_types is not None else None
         if positions is not None:  # HF keeps the last ones, as many as it feeds
             positions = positions[:, -length:]
-        if embeds is not None:
-            return self.step(state, None, positions, embeds=embeds[:, cached:], token_types=types)
-        return self.step(state, input_ids[:, cached:], positions, token_types=types)
+        state.spreading = state.eager_spans is not None and state.key_keep is not None
+        try:
+            if embeds is not None:
+                return self.step(state, None, positions, embeds=embeds[:, cached:], token_types=types)
+            return self.step(state, input_ids[:, cached:], positions, token_types=types)
+        finally:
+            state.spreading = False
 
     def step(self, state: DecodeState, tokens: torch.Tensor | None, positions: torch.Tensor | None = None,
              all_positions: bool = False, scored: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
@@ -396,7 +428,7 @@ class Decoder:
         spec = self.spec
         self_mask = self._self_attention_mask(state, positions)
         observed = state.observed
-        plan = self._native_plan(state, hidden) if observed is None else None
+        plan = self._native_plan(state, hidden) if observed is None and not state.spreading else None
         if plan is not None:
             self.native_steps += 1
             tables = [rotary(hidden, positions) for rotary in plan.rotaries]
@@ -420,7 +452,7 @@ class Decoder:
             if hiddens is not None:
                 hiddens.append(hidden)
         if observed is not None:
-            self._observe(observed, weights, hiddens)
+            self._observe(observed, weights, hiddens, state.eager_spans is not None)
         return hidden
 
     def _native_plan(self, state: DecodeState, hidden: torch.Tensor) -> native_step.Plan | None:
@@ -431,14 +463,17 @@ class Decoder:
         plan = state.native_plan
         return plan if plan and plan.takes(hidden) else None
 
-    def _observe(self, observed: Observed, weights, hiddens) -> None:
-        """Record this step's attention weights (over the keys HF's cache layer hands attention) and hidden
-        states (the last one after the final norm, as HF's ``last_hidden_state``)."""
+    def _observe(self, observed: Observed, weights, hiddens, eager: bool) -> None:
+        """Record this step's attention weights (over the keys HF's cache layer hands attention; a query without
+        keys spread evenly over them with ``eager``, as HF's eager softmax does) and hidden states (the last one
+        after the final norm, as HF's ``last_hidden_state``)."""
         self_weights, cross_weights = weights
         if self_weights is not None:
             past, end = self_weights[0][1], self_weights[0][2]
             kept = [probs[..., max(0, past - window + 1) if window else 0:end]
                     for (probs, _, _), window in zip(self_weights, observed.windows, strict=True)]
+            if eager:
+                kept = [torch.where(probs.sum(-1, keepdim=True) == 0, 1.0 / probs.shape[-1], probs) for probs in kept]
             observed.self_attentions += (tuple(kept),)
             if cross_weights:
                 observed.cross_attentions += (tuple(cross_weights),)
@@ -504,6 +539,8 @@ class Decoder:
         keys, values = state.cache.layer(index)
         out = ops.attention(query, keys, values, key, value, state.lengths, mask, attn.score_scale, True,
                             attn.window, attn.softcap)
+        if state.spreading:
+            out = _spread_keyless(state, state.eager_spans[index], attn.window, values, out)
         if weights is not None:
             probs = ops.attention_probs(query, keys, state.lengths + length, mask, attn.score_scale, True,
                                         attn.window, attn.softcap)

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from models import BUILDERS, build, forward_logits, padded_batch, valid_positions
+from models import BUILDERS, DECODER_ONLY, build, forward_logits, padded_batch, valid_positions
 
 import lightgen
 
@@ -19,6 +19,23 @@ def test_patched_forward_matches_unpatched(family, seed, batch, length):
     got = forward_logits(model, family, ids, mask)
     valid = valid_positions(family, mask, expected)
     torch.testing.assert_close(got[valid], expected[valid], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family, implementation",
+                         [(family, implementation) for family in DECODER_ONLY for implementation in ("eager", "sdpa")
+                          if (family, implementation) != ("gemma2", "sdpa")])  # HF refuses sdpa for Gemma 2
+def test_padded_positions_are_the_models_attentions(family, implementation):
+    """A left-padded position sees no key: HF's eager softmax spreads it evenly over every key, sdpa gives zeros.
+    Neither means anything, but HF returns what follows from them (logits, hidden states, the cache of the
+    layers after): the patched model gives its own implementation's, at every position."""
+    model = build(family, seed=4)
+    model.set_attn_implementation(implementation)
+    reference = copy.deepcopy(model)
+    ids, mask = padded_batch(family, 4, 9, seed=4)
+    assert not mask[:, 0].all()
+    expected = forward_logits(reference, family, ids, mask)
+    lightgen.accelerate_model(model)
+    torch.testing.assert_close(forward_logits(model, family, ids, mask), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", sorted(set(BUILDERS) - {"bert"}))

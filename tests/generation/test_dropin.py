@@ -25,8 +25,10 @@ def no_fallback():
         yield
 
 
-def _pair(family, seed):
+def _pair(family, seed, attn_implementation=None):
     model = build(family, seed=seed)
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
     return lightgen.accelerate_model(copy.deepcopy(model)), model
 
 
@@ -286,19 +288,14 @@ def _generate_both(reference, accelerated, **kwargs):
     return results
 
 
-def _assert_steps_close(got, expected, prompt_positions=None):
-    """Per step, per layer: HF's shapes and dtypes, values within 1e-4. In the prompt pass of a padded prompt only
-    its real positions (``prompt_positions`` [N, T]) count: HF's eager attention spreads a query that sees no
-    key evenly over all keys, lightgen's gives it zeros (neither means anything)."""
+def _assert_steps_close(got, expected):
+    """Per step, per layer: HF's shapes and dtypes, values within 1e-4, padded prompt positions included (they see
+    no key: eager attention spreads them evenly over all keys, sdpa gives zeros; lightgen follows the model's)."""
     assert len(got) == len(expected)
-    for step, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
+    for mine, theirs in zip(got, expected, strict=True):
         assert len(mine) == len(theirs)
         for a, b in zip(mine, theirs, strict=True):
             assert a.shape == b.shape and a.dtype == b.dtype
-            if step == 0 and prompt_positions is not None:
-                if a.dim() == 4:  # attention weights [N, H, T, keys]: positions are queries
-                    a, b = a.transpose(1, 2), b.transpose(1, 2)
-                a, b = a[prompt_positions], b[prompt_positions]
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
@@ -320,12 +317,16 @@ def test_attentions_and_hidden_states_of_every_family(family, step_counter):
 
 
 def _check_attentions_and_hidden_states(family, settings):
-    accelerated, reference = _pair(family, 7)
-    reference.set_attn_implementation("eager")  # HF returns attention weights from eager attention only
+    accelerated, reference = _pair(family, 7, "eager")  # HF returns attention weights from eager attention only
     ids, mask = padded_batch(family, 3, 7, seed=7)
+    decoder_prompt = {}
+    if family in SEQ2SEQ:  # a padded decoder prompt: its padding sees no key, as a decoder-only prompt's does
+        decoder_ids = torch.tensor([[2, 40, 41], [2, 50, 51], [2, 60, 61]])
+        decoder_ids[1, :2] = 0
+        decoder_prompt = dict(decoder_input_ids=decoder_ids, decoder_attention_mask=(decoder_ids != 0).long())
     expected, got = _generate_both(reference, accelerated, input_ids=ids, attention_mask=mask, max_new_tokens=5,
                                    return_dict_in_generate=True, output_attentions=True, output_hidden_states=True,
-                                   **settings)
+                                   **settings, **decoder_prompt)
     assert torch.equal(got.sequences, expected.sequences)
     assert list(got.keys()) == list(expected.keys())
     if family in SEQ2SEQ:
@@ -334,9 +335,9 @@ def _check_attentions_and_hidden_states(family, settings):
         _assert_steps_close([got.encoder_attentions, got.encoder_hidden_states],
                             [expected.encoder_attentions, expected.encoder_hidden_states])
     else:
-        real = mask.repeat_interleave(settings.get("num_beams", 1), 0).bool()
         for name in ("attentions", "hidden_states"):
-            _assert_steps_close(getattr(got, name), getattr(expected, name), real)
+            _assert_steps_close(getattr(got, name), getattr(expected, name))
+    assert_same_cache(returned_cache(got), returned_cache(expected))  # the padding's K/V after the first layer
     # HF's encoder pass (or any forward asking for them) leaves HF's output recorders on the modules: the engine
     # still runs (the no_fallback fixture fails a fallback).
     accelerated.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2)
@@ -346,20 +347,36 @@ def test_hidden_states_alone_and_attentions_of_other_caches(step_counter):
     accelerated, reference = _pair("llama", 7)
     ids, mask = padded_batch("llama", 2, 6, seed=7)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True)
-    expected, got = _generate_both(reference, accelerated, **kwargs, output_hidden_states=True)
+    expected, got = _generate_both(reference, accelerated, **kwargs, output_hidden_states=True)  # sdpa's
     assert step_counter and got.attentions is None and expected.attentions is None
-    _assert_steps_close(got.hidden_states, expected.hidden_states, mask.bool())
-    reference.set_attn_implementation("eager")
+    _assert_steps_close(got.hidden_states, expected.hidden_states)
+    assert_same_cache(returned_cache(got), returned_cache(expected))
+    accelerated, reference = _pair("llama", 7, "eager")
     # A caller's empty DynamicCache() (chat code), which makes its layers on first use.
     results = [model.generate(**kwargs, output_attentions=True, past_key_values=DynamicCache())
                for model in (reference, accelerated)]
-    _assert_steps_close(results[1].attentions, results[0].attentions, mask.bool())
+    _assert_steps_close(results[1].attentions, results[0].attentions)
     # HF's static cache hands attention all its slots: the weights' shapes follow HF's cache, so HF's loop runs.
     with pytest.warns(RuntimeWarning, match="attentions with StaticLayer cache layers are not supported"):
         expected, got = _generate_both(reference, accelerated, **kwargs, output_attentions=True,
                                        cache_implementation="static")
     assert torch.equal(got.sequences, expected.sequences)
-    _assert_steps_close(got.attentions, expected.attentions, mask.bool())
+    _assert_steps_close(got.attentions, expected.attentions)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_padded_positions_of_eager_models_with_each_cache(family, cache_implementation, step_counter):
+    """Eager attention spreads a position that sees no key over every key HF's cache layer hands it: a static
+    layer's unwritten slots too, a sliding layer's window (Qwen2's second layer, Gemma 2's odd ones)."""
+    accelerated, reference = _pair(family, 9, "eager")
+    ids, mask = padded_batch(family, 3, 8, seed=9)
+    expected, got = _generate_both(reference, accelerated, input_ids=ids, attention_mask=mask, max_new_tokens=4,
+                                   return_dict_in_generate=True, output_hidden_states=True,
+                                   cache_implementation=cache_implementation)
+    assert step_counter and torch.equal(got.sequences, expected.sequences)
+    _assert_steps_close(got.hidden_states, expected.hidden_states)
+    assert_same_cache(returned_cache(got), returned_cache(expected))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
