@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include "../include/attention_mask.h"
 #include "../include/checks.h"
 #include "../include/cpu_ops.h"
@@ -59,14 +60,14 @@ inline float exp_shifted(float* x, int64_t n, float shift) {
   return lane_sum(total);
 }
 
-// acc[0..kValueBlock) = sum_j p[j] v_j over the rows' block of kValueBlock values, the sums held in registers:
+// acc[0..kValueBlock) += sum_j p[j] v_j over the rows' block of kValueBlock values, the sums held in registers:
 // accumulating in memory made every key wait for the previous one's store (36% of a 400-key attend in `perf`).
 constexpr int64_t kValueVecs = 4, kValueBlock = kValueVecs * fVec::size();
 template <typename scalar_t>
 inline void weigh_values(const float* p, int64_t first, int64_t last, const scalar_t* v, int64_t stride, float* acc,
                          std::vector<float>& buf) {
   fVec sums[kValueVecs];
-  for (int64_t c = 0; c < kValueVecs; ++c) sums[c] = fVec(0.f);
+  for (int64_t c = 0; c < kValueVecs; ++c) sums[c] = fVec::loadu(acc + c * fVec::size());
   for (int64_t j = first; j <= last; ++j) {
     if (p[j] == 0.f) continue;
     const float* row = as_float(v + j * stride, kValueBlock, buf);
@@ -75,6 +76,68 @@ inline void weigh_values(const float* p, int64_t first, int64_t last, const scal
       sums[c] = at::vec::fmadd(weight, fVec::loadu(row + c * fVec::size()), sums[c]);
   }
   for (int64_t c = 0; c < kValueVecs; ++c) sums[c].store(acc + c * fVec::size());
+}
+
+// acc[0..D) += sum over keys first..last of p[j] v_j.
+template <typename scalar_t>
+void weigh_all_values(const float* p, int64_t first, int64_t last, const scalar_t* vb, int64_t stride, int64_t D,
+                      float* acc, std::vector<float>& buf) {
+  for (int64_t d0 = 0; d0 < D; d0 += kValueBlock) {
+    const int64_t width = std::min(kValueBlock, D - d0);
+    if (width == kValueBlock) {
+      weigh_values(p, first, last, vb + d0, stride, acc + d0, buf);
+    } else {
+      for (int64_t j = first; j <= last; ++j) {
+        if (p[j] != 0.f) row_axpy(p[j], as_float(vb + j * stride + d0, width, buf), acc + d0, width);
+      }
+    }
+  }
+}
+
+// fp16 / bf16 weights as PyTorch's CPU flash attention (the kernel HF's sdpa runs there) forms them, so that outputs
+// round where HF's do: per block of 512 keys from key 0 (the last one ends at the row's key count, ``len``),
+// exponentiated against the running maximum (the sum so far rescaled when it grows) with its exp (ATen's fast
+// fexp_u20 on whole vectors from the block's start, std::exp on the rest), rounded to the input dtype before they
+// weigh the values; the sum of the unrounded ones divides at the end. Bit for bit torch 2.13's output over 1-1100
+// keys (tests/ops/test_attention.py); weights kept in float differed from it at 34-46% of values. ``scores`` holds
+// the row's scores over keys first..last and room up to ``len``. Returns the sum; ``acc`` the weighted values.
+constexpr int64_t kFlashKeyBlock = 512;
+template <typename scalar_t>
+float weigh_rounded(float* scores, int64_t first, int64_t last, int64_t len, const scalar_t* vb, int64_t stride,
+                    int64_t D, float* acc, std::vector<float>& buf) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  float running = kNone, denom = 0.f;
+  for (int64_t start = first - first % kFlashKeyBlock; start <= last; start += kFlashKeyBlock) {
+    const int64_t lo = std::max(first, start), hi = std::min(last, start + kFlashKeyBlock - 1);
+    const int64_t end = std::min(len, start + kFlashKeyBlock);
+    float top = running;
+    for (int64_t j = lo; j <= hi; ++j) top = std::max(top, scores[j]);
+    if (top == kNone) continue;  // every key so far masked
+    std::fill(scores + start, scores + lo, kNone);
+    std::fill(scores + hi + 1, scores + end, kNone);
+    const fVec shift(top);
+    fVec lanes(0.f);
+    int64_t j = start;
+    for (; j + fVec::size() <= end; j += fVec::size()) {
+      const fVec e = (fVec::loadu(scores + j) - shift).fexp_u20();
+      e.store(scores + j);
+      lanes = lanes + e;
+    }
+    float block_sum = lane_sum(lanes);
+    for (; j < end; ++j) {
+      scores[j] = std::exp(scores[j] - top);
+      block_sum += scores[j];
+    }
+    const float rescale = std::exp(running - top);
+    denom = block_sum + rescale * denom;
+    if (running != kNone) {
+      for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
+    }
+    for (int64_t k = lo; k <= hi; ++k) scores[k] = static_cast<float>(static_cast<scalar_t>(scores[k]));
+    weigh_all_values(scores, lo, hi, vb, stride, D, acc, buf);
+    running = top;
+  }
+  return denom;
 }
 
 // Tasks of at least this many key values (keys x head_dim) a chunk. A decode step finds its K/V cold (a step's weights
@@ -122,17 +185,12 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       if (max_score != -std::numeric_limits<float>::infinity()) {  // a fully masked query yields zeros
-        const float denom = exp_shifted(scores.data() + first, last - first + 1, max_score);
-        for (int64_t d0 = 0; d0 < D; d0 += kValueBlock) {
-          const int64_t width = std::min(kValueBlock, D - d0);
-          if (width == kValueBlock) {
-            weigh_values(scores.data(), first, last, vb + d0, vs2, acc.data() + d0, vbuf);
-          } else {
-            for (int64_t j = first; j <= last; ++j) {
-              if (scores[j] != 0.f)
-                row_axpy(scores[j], as_float(vb + j * vs2 + d0, width, vbuf), acc.data() + d0, width);
-            }
-          }
+        float denom;
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
+          denom = weigh_rounded(scores.data(), first, last, len, vb, vs2, D, acc.data(), vbuf);
+        } else {
+          denom = exp_shifted(scores.data() + first, last - first + 1, max_score);
+          weigh_all_values(scores.data(), first, last, vb, vs2, D, acc.data(), vbuf);
         }
         const float inv = 1.f / denom;
         for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
