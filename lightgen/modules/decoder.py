@@ -300,7 +300,9 @@ class Decoder:
         position_limit = self.spec.position_limit if max_len > self.spec.position_limit else None
         if encoder_hidden is None:
             return self._with_bias_table(DecodeState(cache, key_keep, next_position, position_limit=position_limit))
-        sentences = encoder_hidden[::expand]
+        # Contiguous, as HF's projections see the (repeated) encoder output: a strided view takes another matmul
+        # path whose bf16 results differ (27% of a Marian cross-attention's keys, flipping beams).
+        sentences = encoder_hidden[::expand].contiguous()
         encoder_keep = (torch.ones(sentences.shape[:2], dtype=torch.bool, device=sentences.device)
                         if encoder_mask is None else encoder_mask[::expand].bool())
         cross_keys, cross_values = [], []

@@ -99,15 +99,18 @@ void weigh_all_values(const float* p, int64_t first, int64_t last, const scalar_
 // exponentiated against the running maximum (the sum so far rescaled when it grows) with its exp (ATen's fast
 // fexp_u20 on whole vectors from the block's start, std::exp on the rest), rounded to the input dtype before they
 // weigh the values; the sum of the unrounded ones divides at the end. Bit for bit torch 2.13's output over 1-1100
-// keys (tests/ops/test_attention.py); weights kept in float differed from it at 34-46% of values. ``scores`` holds
-// the row's scores over keys first..last and room up to ``len``. Returns the sum; ``acc`` the weighted values.
+// keys (tests/ops/test_attention.py); weights kept in float differed from it at 34-46% of values. Key 0 is the first
+// key HF hands attention, ``origin`` here: a sliding-window layer's cache (DynamicSlidingWindowLayer) hands the last
+// window - 1 cached keys and the new ones. ``scores`` holds the row's scores over keys first..last and room up to
+// ``len``. Returns the sum; ``acc`` the weighted values.
 constexpr int64_t kFlashKeyBlock = 512;
 template <typename scalar_t>
-float weigh_rounded(float* scores, int64_t first, int64_t last, int64_t len, const scalar_t* vb, int64_t stride,
-                    int64_t D, float* acc, std::vector<float>& buf) {
+float weigh_rounded(float* scores, int64_t origin, int64_t first, int64_t last, int64_t len, const scalar_t* vb,
+                    int64_t stride, int64_t D, float* acc, std::vector<float>& buf) {
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   float running = kNone, denom = 0.f;
-  for (int64_t start = first - first % kFlashKeyBlock; start <= last; start += kFlashKeyBlock) {
+  for (int64_t start = origin + (first - origin) / kFlashKeyBlock * kFlashKeyBlock; start <= last;
+       start += kFlashKeyBlock) {
     const int64_t lo = std::max(first, start), hi = std::min(last, start + kFlashKeyBlock - 1);
     const int64_t end = std::min(len, start + kFlashKeyBlock);
     float top = running;
@@ -187,7 +190,8 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
       if (max_score != -std::numeric_limits<float>::infinity()) {  // a fully masked query yields zeros
         float denom;
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
-          denom = weigh_rounded(scores.data(), first, last, len, vb, vs2, D, acc.data(), vbuf);
+          const int64_t origin = window > 0 ? std::max<int64_t>(0, len - Tq - (window - 1)) : 0;
+          denom = weigh_rounded(scores.data(), origin, first, last, len, vb, vs2, D, acc.data(), vbuf);
         } else {
           denom = exp_shifted(scores.data() + first, last - first + 1, max_score);
           weigh_all_values(scores.data(), first, last, vb, vs2, D, acc.data(), vbuf);
