@@ -3,8 +3,9 @@
     python benchmarks/half_precision.py [--quick] [--out benchmarks/results]
 
 The test suite's tiny models of each family (tests/models.py: random weights, two layers), cast to bf16 and
-fp16, generate 16 forced new tokens for 4 padded rows per seed, greedy and with 3 beams, unpatched (HF's own
-generate in that dtype) and accelerated. Reports the rows whose tokens are identical. fp32 must be identical
+fp16, generate 16 forced new tokens for 4 padded rows per seed, greedy, with 3 beams and (accelerated) with
+IAD, unpatched (HF's own generate in that dtype; greedy for IAD) and accelerated. Reports the rows whose tokens
+are identical. fp32 must be identical
 everywhere (the test suite holds it); in fp16 / bf16 lightgen follows HF's rounding points where its kernels
 can (README, "fp16 / bf16 models"). Prints a markdown table and writes <out>/half_precision.json and .png.
 """
@@ -26,18 +27,19 @@ from models import build, padded_batch  # noqa: E402  (the test suite's models o
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "gemma", "phi3", "qwen3", "opt", "gpt_neox", "bart", "marian")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-DECODINGS = {"greedy": 1, "beam 3": 3}
+DECODINGS = {"greedy": {}, "beam 3": dict(num_beams=3), "iad": dict(decoding="iad", max_draft=5)}
 SEEDS = {"full": 6, "quick": 2}
 
 
-def identical_rows(family: str, dtype: torch.dtype, beams: int, seeds: int) -> tuple[int, int]:
+def identical_rows(family: str, dtype: torch.dtype, settings: dict, seeds: int) -> tuple[int, int]:
     same = total = 0
     for seed in range(seeds):
         reference = build(family, seed=seed, dtype=dtype)
         accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
         ids, mask = padded_batch(family, 4, 9, seed=seed)
-        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, num_beams=beams)
-        expected, got = reference.generate(**kwargs), accelerated.generate(**kwargs)
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16)
+        expected = reference.generate(**kwargs, num_beams=settings.get("num_beams", 1))
+        got = accelerated.generate(**kwargs, **settings)
         total += expected.shape[0]
         if got.shape == expected.shape:
             same += int((got == expected).all(-1).sum())
@@ -51,8 +53,8 @@ def main(argv=None) -> None:
     rows = []
     for family in FAMILIES:
         for dtype_name, dtype in DTYPES.items():
-            for decoding, beams in DECODINGS.items():
-                same, total = identical_rows(family, dtype, beams, seeds)
+            for decoding, settings in DECODINGS.items():
+                same, total = identical_rows(family, dtype, settings, seeds)
                 rows.append({"family": family, "dtype": dtype_name, "decoding": decoding, "identical": same,
                              "rows": total})
     env["seeds"] = seeds
@@ -71,7 +73,7 @@ def main(argv=None) -> None:
 
 
 def chart(plt, env: dict, rows: list[dict]):
-    fig, ax = plt.subplots(figsize=(9, 3.5))
+    fig, ax = plt.subplots(figsize=(10, 3.5))
     series = [(d, dec) for d in DTYPES for dec in DECODINGS]
     width = 0.8 / len(series)
     for index, (dtype_name, decoding) in enumerate(series):
@@ -84,7 +86,7 @@ def chart(plt, env: dict, rows: list[dict]):
     ax.set_ylabel("rows identical to HF")
     ax.set_title(f"fp16 / bf16 generate vs HF in the same dtype, {env['seeds']} seeds x 4 rows\n"
                  f"{hardware_title(env)}", fontsize=9)
-    ax.legend(fontsize=7, ncols=4)
+    ax.legend(fontsize=7, ncols=6)
     return fig
 
 

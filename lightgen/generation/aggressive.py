@@ -232,7 +232,7 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
     if prompt_len == 1:  # a lone start token (encoder-decoder): the first pass may already verify a draft
         logits, best, drafts = next_pass()
     else:
-        logits = decoder.step(state, input_ids, prompt_positions)[:, None]  # the prompt pass: [rows, 1, V]
+        logits = decoder.prefill(state, input_ids, prompt_positions)[:, None]  # [rows, 1, V]
         best = ops.greedy_tokens(logits).cpu().numpy()
         drafts = np.empty((rows, 0), dtype=np.int64)
     while True:

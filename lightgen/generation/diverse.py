@@ -114,7 +114,7 @@ def group_beam_search(decoder, state, input_ids, prompt_positions, logits_proces
     # Per running row, the row each of its generated tokens was chosen from.
     history = torch.full((rows, max_length - prompt_len), -1, dtype=torch.long, device=device)
 
-    logits = decoder.step(state, input_ids, prompt_positions)
+    logits = decoder.prefill(state, input_ids, prompt_positions)
     while True:
         current_tokens = torch.zeros(rows, dtype=input_ids.dtype, device=device)
         reorder = torch.zeros(rows, dtype=torch.long, device=device)

@@ -306,9 +306,14 @@ def _attention_windows(cache, layers: int) -> tuple[int, ...] | str:
     return tuple(windows)
 
 
-def _eager_key_spans(cache, layers: int, past: int, new: int) -> tuple[KeySpan, ...]:
-    """Per layer, the keys HF's cache layer hands eager attention in a prompt pass of ``new`` positions after
-    ``past`` (as the layers' ``update`` returns them)."""
+def _eager_key_spans(model, cache, past: int, new: int) -> tuple[KeySpan, ...] | None:
+    """For a model on HF's eager attention (None otherwise), per layer, the keys HF's cache layer hands attention
+    in a prompt pass of ``new`` positions after ``past`` (as the layers' ``update`` returns them; a DynamicCache's
+    without ``cache``). A prompt position that sees no key spreads over them: the cache and hidden states hold it,
+    and a row of padding alone takes its first token from it."""
+    if model.config._attn_implementation != lg_attention.EAGER_IMPLEMENTATION:
+        return None
+    layers = len(getattr(model, DECODER_ATTR).spec.layers)
     cache_layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None) or [DynamicLayer()] * layers
     spans = []
     for layer in cache_layers:
@@ -456,9 +461,7 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
     if _observes(generation_config):
         state.observed = Observed(bool(generation_config.output_attentions),
                                   bool(generation_config.output_hidden_states), windows or ())
-    if cache is not None and model.config._attn_implementation == lg_attention.EAGER_IMPLEMENTATION:
-        # Padded positions are seen only in what is returned: the fields above and the cache.
-        state.eager_spans = _eager_key_spans(cache, len(decoder.spec.layers), past, prompt_len - cached)
+    state.eager_spans = _eager_key_spans(model, cache, past, prompt_len - cached)
     try:
         if cache is not None:
             hf_cache.load(state, cache)
@@ -527,6 +530,7 @@ def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_proce
             state = decoder.start(**start, encoder_hidden=model_kwargs["encoder_outputs"][0], encoder_mask=mask)
         else:
             state = decoder.start(**start, prompt_mask=mask)
+        state.eager_spans = _eager_key_spans(model, None, 0, input_ids.shape[1])
         try:
             sequences, gained = aggressive_greedy(
                 decoder, state, input_ids, model_kwargs.get("position_ids"), drafts,

@@ -207,9 +207,14 @@ class DecodeState:
         # weights and output, where the kernels (as sdpa) give zeros: HF returns them in hidden states and
         # attentions, and the layers after carry them into the cache.
         self.eager_spans: tuple[KeySpan, ...] | None = None
-        self.spreading = False  # during the prompt pass of such a model, when the prompt is padded
+        self.in_prompt = False  # during ``prefill``: HF runs it as one pass; every later pass stands for HF's steps
         self.native_plan = None  # the decoder's native_step.Plan for this request, once a step asked for it
         self.step_graph: step_graph.StepGraph | None = None  # on a GPU, once a one-token step ran
+
+    @property
+    def spreading(self) -> bool:
+        """The prompt pass of a padded prompt on HF's eager attention: positions that see no key spread."""
+        return self.in_prompt and self.eager_spans is not None and self.key_keep is not None
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Beam search picked ``rows``: rows of the same sentence swap caches, masks and positions (in place
@@ -353,13 +358,13 @@ class Decoder:
         types = state.token_types[:, -length:] if state.token_types is not None else None
         if positions is not None:  # HF keeps the last ones, as many as it feeds
             positions = positions[:, -length:]
-        state.spreading = state.eager_spans is not None and state.key_keep is not None
+        state.in_prompt = True
         try:
             if embeds is not None:
                 return self.step(state, None, positions, embeds=embeds[:, cached:], token_types=types)
             return self.step(state, input_ids[:, cached:], positions, token_types=types)
         finally:
-            state.spreading = False
+            state.in_prompt = False
 
     def step(self, state: DecodeState, tokens: torch.Tensor | None, positions: torch.Tensor | None = None,
              all_positions: bool = False, scored: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
@@ -540,7 +545,7 @@ class Decoder:
             query, key = self.spec.apply_rotary(query, key, *rotary)
         keys, values = state.cache.layer(index)
         out = ops.attention(query, keys, values, key, value, state.lengths, mask, attn.score_scale, True,
-                            attn.window, attn.softcap)
+                            attn.window, attn.softcap, stepwise=not state.in_prompt)
         if state.spreading:
             out = _spread_keyless(state, state.eager_spans[index], attn.window, values, out)
         if weights is not None:

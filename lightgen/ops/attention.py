@@ -8,7 +8,9 @@ Shapes: ``q`` [B, Hq, Tq, D]; ``k_cache``/``v_cache`` [B, Hkv, Tmax, D] with Hq 
 t see keys up to ``len - Tq + t`` (bottom-right aligned). ``window`` > 0 (HF's ``sliding_window``) hides
 keys at or before ``len - Tq + t - window`` from query t, so it sees at most ``window`` keys ending at
 its own position; ``softcap`` > 0 maps scores to ``tanh(s / softcap) * softcap`` before the mask is
-added (Gemma 2). A query with no visible key returns zeros.
+added (Gemma 2). A query with no visible key returns zeros. In fp16 / bf16 the CPU kernel rounds as the
+kernel HF's sdpa runs there (PyTorch's CPU flash attention): as one prefill, or with ``stepwise`` (causal)
+each query as HF's one-token step for it would (a verification pass of drafts); float32 ignores it.
 Returns [B, Tq, Hq, D], the layout the output projection reads.
 """
 
@@ -20,13 +22,15 @@ from lightgen import _build
 
 
 def attention(q, k_cache, v_cache, k_new=None, v_new=None, cache_pos=None, mask=None, scale=None, causal=False,
-              window: int = 0, softcap: float = 0.0):
+              window: int = 0, softcap: float = 0.0, stepwise: bool = False):
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return _build.op("attention")(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window, softcap)
+    return _build.op("attention")(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window, softcap,
+                                  stepwise)
 
 
-def attention_ref(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window=0, softcap=0.0):
+def attention_ref(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window=0, softcap=0.0,
+                  stepwise=False):
     if window < 0 or softcap < 0:
         raise RuntimeError(f"lightgen.attention: 'window' and 'softcap' must be >= 0 (0: none), got {window}, {softcap}")
     batch, q_heads, q_len, _ = q.shape
@@ -89,7 +93,8 @@ def attention_probs(q, k_cache, key_len, mask, scale, causal, window=0, softcap=
     return torch.where(denom > 0, weights / denom, torch.zeros_like(weights))
 
 
-def _attention_fake(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window=0, softcap=0.0):
+def _attention_fake(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window=0, softcap=0.0,
+                    stepwise=False):
     batch, heads, q_len, head_dim = q.shape
     return q.new_empty((batch, q_len, heads, head_dim))
 

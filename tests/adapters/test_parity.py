@@ -65,16 +65,18 @@ def test_bf16_models_stay_close(family):
     torch.testing.assert_close(got[valid], expected[valid], atol=0.1, rtol=0.05)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "phi3", "gpt_neox", "marian", "bart"])
-@pytest.mark.parametrize("num_beams", [1, 3])
-def test_bf16_generate_is_token_identical(family, num_beams):
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "phi3", "qwen3", "gpt_neox", "marian", "bart"])
+@pytest.mark.parametrize("settings", [dict(), dict(num_beams=3), dict(decoding="iad", max_draft=5)],
+                         ids=["greedy", "beams", "iad"])
+def test_bf16_generate_is_token_identical(family, settings):
     """bf16 rounds where HF rounds: sdpa's attention weights (fp16 / bf16 kernels), HF's key numbering of a
     sliding-window cache (Mistral, Qwen2, Phi-3 past their windows), the encoder output projected as HF projects it
-    (a contiguous tensor) for beams' cross-attention (Marian, BART)."""
+    (a contiguous tensor) for beams' cross-attention (Marian, BART), and a pass verifying drafts as HF's one-token
+    steps would compute them (IAD equals HF's greedy whatever widths its policy picks)."""
     for seed in range(2):
         model = build(family, seed=seed, dtype=torch.bfloat16)
         reference = copy.deepcopy(model)
         ids, mask = padded_batch(family, 4, 9, seed=seed)
-        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, num_beams=num_beams)
-        expected = reference.generate(**kwargs)
-        assert torch.equal(lightgen.accelerate_model(model).generate(**kwargs), expected)
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16)
+        expected = reference.generate(**kwargs, num_beams=settings.get("num_beams", 1))
+        assert torch.equal(lightgen.accelerate_model(model).generate(**kwargs, **settings), expected)

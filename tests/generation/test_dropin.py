@@ -379,6 +379,21 @@ def test_padded_positions_of_eager_models_with_each_cache(family, cache_implemen
     assert_same_cache(returned_cache(got), returned_cache(expected))
 
 
+@pytest.mark.parametrize("family, attn_implementation", [("llama", "eager"), ("gemma2", None), ("qwen2", "sdpa")])
+@pytest.mark.parametrize("settings", [dict(), dict(num_beams=2), dict(decoding="iad", max_draft=4)],
+                         ids=["greedy", "beams", "iad"])
+def test_a_row_of_padding_alone_takes_hfs_tokens(family, attn_implementation, settings, step_counter):
+    """A prompt row that is all padding: its last position sees no key, and its first token comes from what the
+    model's attention gives there (eager: the mean of the values; sdpa: zeros)."""
+    accelerated, reference = _pair(family, 2, attn_implementation)
+    ids, mask = padded_batch(family, 3, 7, seed=2)
+    mask[2] = 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8)
+    expected = reference.generate(**kwargs, num_beams=settings.get("num_beams", 1))
+    assert torch.equal(accelerated.generate(**kwargs, **settings), expected)
+    assert step_counter
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("settings", MODES, ids=MODE_IDS)
 def test_inputs_embeds_are_hfs(family, settings, step_counter):

@@ -105,6 +105,23 @@ def test_half_precision_is_sdpas_bit_for_bit(half, q_heads, kv_heads, q_len, key
         assert torch.equal(out, expected.transpose(1, 2))
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("q_len, past, window", [(6, 20, 0), (9, 600, 0), (5, 40, 7)])
+def test_a_stepwise_pass_rounds_as_one_token_steps(half, q_len, past, window):
+    """A pass verifying drafts stands for HF's one-token steps: each query rounds as sdpa would over the keys HF's
+    cache hands its own step (up to itself; a sliding window's last window - 1 and itself), not as one prefill."""
+    q, k_cache, v_cache, k_new, v_new = _qkv(2, 4, 2, q_len, past + q_len, 16, half, seed=past)
+    cache_pos = torch.full((2,), past)
+    out = ops.attention(q, k_cache, v_cache, k_new, v_new, cache_pos, None, 0.25, True, window, stepwise=True)
+    for i in range(q_len):
+        slot = past + i
+        first = max(0, slot - (window - 1)) if window else 0
+        keys, values = k_cache[:, :, first:slot + 1], v_cache[:, :, first:slot + 1]
+        expected = F.scaled_dot_product_attention(q[:, :, i:i + 1], keys.repeat_interleave(2, 1),
+                                                  values.repeat_interleave(2, 1), scale=0.25)
+        assert torch.equal(out[:, i:i + 1], expected.transpose(1, 2))
+
+
 def test_fully_masked_query_gives_zeros():
     q, k, v, _, _ = _qkv(1, 2, 2, 2, 4, 8, torch.float32)
     mask = torch.tensor([[[[False] * 4, [True] * 4]]])

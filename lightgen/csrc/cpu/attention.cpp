@@ -100,19 +100,20 @@ void weigh_all_values(const float* p, int64_t first, int64_t last, const scalar_
 // fexp_u20 on whole vectors from the block's start, std::exp on the rest), rounded to the input dtype before they
 // weigh the values; the sum of the unrounded ones divides at the end. Bit for bit torch 2.13's output over 1-1100
 // keys (tests/ops/test_attention.py); weights kept in float differed from it at 34-46% of values. Key 0 is the first
-// key HF hands attention, ``origin`` here: a sliding-window layer's cache (DynamicSlidingWindowLayer) hands the last
-// window - 1 cached keys and the new ones. ``scores`` holds the row's scores over keys first..last and room up to
-// ``len``. Returns the sum; ``acc`` the weighted values.
+// key HF hands attention, ``origin`` here (a sliding-window layer's cache, DynamicSlidingWindowLayer, hands the last
+// window - 1 cached keys and the new ones), and the last block ends at the last key HF hands, ``end``. ``scores``
+// holds the row's scores over keys first..last and room up to ``end``. Returns the sum; ``acc`` the weighted
+// values.
 constexpr int64_t kFlashKeyBlock = 512;
 template <typename scalar_t>
-float weigh_rounded(float* scores, int64_t origin, int64_t first, int64_t last, int64_t len, const scalar_t* vb,
+float weigh_rounded(float* scores, int64_t origin, int64_t first, int64_t last, int64_t len_end, const scalar_t* vb,
                     int64_t stride, int64_t D, float* acc, std::vector<float>& buf) {
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   float running = kNone, denom = 0.f;
   for (int64_t start = origin + (first - origin) / kFlashKeyBlock * kFlashKeyBlock; start <= last;
        start += kFlashKeyBlock) {
     const int64_t lo = std::max(first, start), hi = std::min(last, start + kFlashKeyBlock - 1);
-    const int64_t end = std::min(len, start + kFlashKeyBlock);
+    const int64_t end = std::min(len_end, start + kFlashKeyBlock);
     float top = running;
     for (int64_t j = lo; j <= hi; ++j) top = std::max(top, scores[j]);
     if (top == kNone) continue;  // every key so far masked
@@ -150,7 +151,8 @@ constexpr int64_t kAttendGrain = 8192;
 
 template <typename scalar_t>
 void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& key_len,
-            const MaskView& mask, float scale, bool causal, int64_t window, float softcap, Tensor& out) {
+            const MaskView& mask, float scale, bool causal, int64_t window, float softcap, bool stepwise,
+            Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t group = Hq / k.size(1);
   const int64_t Tk = k.size(2);
@@ -190,8 +192,11 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
       if (max_score != -std::numeric_limits<float>::infinity()) {  // a fully masked query yields zeros
         float denom;
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
-          const int64_t origin = window > 0 ? std::max<int64_t>(0, len - Tq - (window - 1)) : 0;
-          denom = weigh_rounded(scores.data(), origin, first, last, len, vb, vs2, D, acc.data(), vbuf);
+          // The keys HF hands attention: a prefill's (every query: the cached and new ones), or with ``stepwise``
+          // each query's own one-token step's (the keys up to its own).
+          const int64_t past = stepwise ? slot : len - Tq, end = stepwise ? slot + 1 : len;
+          const int64_t origin = window > 0 ? std::max<int64_t>(0, past - (window - 1)) : 0;
+          denom = weigh_rounded(scores.data(), origin, first, last, end, vb, vs2, D, acc.data(), vbuf);
         } else {
           denom = exp_shifted(scores.data() + first, last - first + 1, max_score);
           weigh_all_values(scores.data(), first, last, vb, vs2, D, acc.data(), vbuf);
@@ -212,10 +217,13 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
 // mask: bool (true = attend) or additive, [B, Tk] or broadcastable to [B, Hq, Tq, Tk] with Tk = Tmax.
 // Row b attends to keys [0, cache_pos[b] + Tq) with new K/V, else to all Tmax keys. Returns [B, Tq, Hq, D].
 // window > 0: query i (at cache position len - Tq + i) sees only keys j > len - Tq + i - window (HF's sliding
-// window); softcap > 0: scores become tanh(s / softcap) * softcap before the mask is added.
+// window); softcap > 0: scores become tanh(s / softcap) * softcap before the mask is added. ``stepwise`` (causal
+// fp16 / bf16 only): each query rounds as HF's one-token step for it would (a verification pass of drafts),
+// not as one prefill.
 Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::optional<Tensor>& k_new,
                  const c10::optional<Tensor>& v_new, const c10::optional<Tensor>& cache_pos,
-                 const c10::optional<Tensor>& mask, double scale, bool causal, int64_t window, double softcap) {
+                 const c10::optional<Tensor>& mask, double scale, bool causal, int64_t window, double softcap,
+                 bool stepwise) {
   LG_CHECK_CPU(kOp, q);
   LG_CHECK_CPU(kOp, k_cache);
   LG_CHECK_CPU(kOp, v_cache);
@@ -272,7 +280,7 @@ Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::o
       write_new_kv<scalar_t>(*v_new, v_cache, pos);
     }
     attend<scalar_t>(q, k_cache, v_cache, key_len, view, static_cast<float>(scale), causal, window,
-                     static_cast<float>(softcap), out);
+                     static_cast<float>(softcap), stepwise && causal, out);
   });
   return out;
 }

@@ -139,7 +139,8 @@ void dispatch_chunks(int64_t dim, F&& f) {
 // window > 0 and softcap > 0: as the CPU op (sliding window over cache positions; tanh capping before the mask).
 Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::optional<Tensor>& k_new,
                  const c10::optional<Tensor>& v_new, const c10::optional<Tensor>& cache_pos,
-                 const c10::optional<Tensor>& mask, double scale, bool causal, int64_t window, double softcap) {
+                 const c10::optional<Tensor>& mask, double scale, bool causal, int64_t window, double softcap,
+                 bool /*stepwise: the CPU kernels' fp16 / bf16 rounding (PyTorch's CPU flash attention)*/) {
   LG_CHECK_CUDA(kOp, q);
   LG_CHECK_FLOAT(kOp, q);
   LG_CHECK_CUDA_LIKE(kOp, q, k_cache);
