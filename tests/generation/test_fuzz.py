@@ -374,7 +374,7 @@ def _assert_close_scores(mine, theirs, what, beams: int = 1, tolerance: float = 
     bits may come out in the other order (lightgen's logits are not HF's to the bit), so a step's rows
     may be a permutation within a sentence; and where two candidates tie at the cut that keeps ``beams``
     running beams, lightgen may run the other one: from that step on, the sentence's rows are not HF's
-    (``cuts()``: HF's candidates at each step's cut, ``_hf_cuts``). Where scores differ by more than ``tolerance``,
+    (``cuts()``: HF's candidates at each step's cut, ``_cuts``). Where scores differ by more than ``tolerance``,
     ``rounding()`` (HF's own fp32 error on this model, ``_hf_rounding``) widens it: a model whose residual stream
     grows to hundreds rounds HF's logits by 1e-4 and more too. Returns the sentences either happened to (their
     beam slots differ from HF's). ``diverged`` (``_sampled_past_an_edge``): rows (beam sampling: sentences) left out
@@ -430,10 +430,32 @@ def _tie_among_kept(candidates: torch.Tensor, beams: int) -> bool:
     return any(_tie(higher, lower) for higher, lower in zip(ranked[:-1], ranked[1:], strict=True))
 
 
-def _compare(got, expected, settings, rescored, cuts=None, rounding=None):
+def _beams_past_a_cut_tie(sequences, hf_sequences, per_sentence: int, beams: int, hf_cuts, my_cuts):
+    """(diverged, excused) for beam-search sentences whose returned rows differ from HF's after a step where HF's
+    running beams were cut at a tie (its last kept and first left-out candidates within ``NEAR_TIE``) and
+    lightgen's candidates there were HF's, as at every step before, and tie too: which of the two runs on is fp32
+    rounding's, and the hypotheses that grow from it may be any. ``diverged``: sentence -> the step after the cut."""
+    diverged, excused = {}, torch.zeros(len(hf_sequences), dtype=torch.bool)
+    for sentence in range(len(hf_sequences) // per_sentence):
+        rows = slice(sentence * per_sentence, (sentence + 1) * per_sentence)
+        if torch.equal(sequences[rows], hf_sequences[rows]):
+            continue
+        for step, (hf_cut, my_cut) in enumerate(zip(hf_cuts, my_cuts)):
+            theirs = hf_cut[sentence].sort(descending=True).values
+            mine = my_cut[sentence].sort(descending=True).values
+            if not _close(mine, theirs):
+                break  # the candidates parted before any tie
+            if _tie_at_cut(theirs, beams) and _tie_at_cut(mine, beams):
+                diverged[sentence], excused[rows] = step + 1, True
+                break
+    return diverged, excused
+
+
+def _compare(got, expected, settings, rescored, cuts=None, rounding=None, my_cuts=None):
     """``rescored()`` reruns lightgen and HF with ``output_scores`` ((lightgen's, HF's) outputs), and ``cuts()``
-    HF to record its running-beam cuts (``_hf_cuts``), asked for only where beam search's near-ties leave the
-    order of hypotheses, their beam slots or the running beams to fp32 rounding."""
+    HF to record its running-beam cuts (``_cuts``), asked for only where beam search's near-ties leave the
+    order of hypotheses, their beam slots or the running beams to fp32 rounding; ``my_cuts()`` lightgen's
+    (``_cuts`` on the accelerated model), asked for where a sentence's hypotheses differ."""
     per_sentence = settings.get("num_return_sequences", 1) if settings.get("num_beams", 1) > 1 else 0
     dict_out = settings.get("return_dict_in_generate")
     sequences, hf_sequences = (got.sequences, expected.sequences) if dict_out else (got, expected)
@@ -452,12 +474,22 @@ def _compare(got, expected, settings, rescored, cuts=None, rounding=None):
         diverged, excused = _greedy_past_a_tie(expected, settings, rescored, rounding, padded, hf_padded)
         if bool(excused.any()):  # else the shapes stay as returned, for the check below
             sequences, hf_sequences = torch.where(excused[:, None], hf_padded, padded), hf_padded
+    beam_search = per_sentence and not settings.get("do_sample")
+    if beam_search and cuts is not None and my_cuts is not None and (
+            sequences.shape != hf_sequences.shape or not torch.equal(sequences, hf_sequences)):
+        length = max(sequences.shape[1], hf_sequences.shape[1])
+        padded, hf_padded = _padded_to(sequences, length, PAD), _padded_to(hf_sequences, length, PAD)
+        diverged, excused = _beams_past_a_cut_tie(padded, hf_padded, per_sentence, settings["num_beams"], cuts(),
+                                                  my_cuts())
+        if bool(excused.any()):
+            sequences, hf_sequences = torch.where(excused[:, None], hf_padded, padded), hf_padded
     if per_sentence and sequences.shape == hf_sequences.shape and not torch.equal(sequences, hf_sequences):
         if dict_out and expected.sequences_scores is not None:
             scores, got_scores = expected.sequences_scores, got.sequences_scores
         else:
             mine, hf = rescored()
-            assert torch.equal(mine.sequences, sequences), "a rerun with output_scores changed lightgen's tokens"
+            assert torch.equal(mine.sequences, got.sequences if dict_out else got), \
+                "a rerun with output_scores changed lightgen's tokens"
             scores, got_scores = hf.sequences_scores, mine.sequences_scores
         found = _near_tie_order(sequences, hf_sequences, scores, per_sentence, got_scores)
         if found is not None:
@@ -562,8 +594,9 @@ def run_case(seed: int) -> str:
             assert type(hf) is type(mine), f"HF: {hf!r}; lightgen: {mine!r}"
             return description + f" (both raise {type(hf).__name__})"
         _compare(mine, hf, settings, lambda: _rescored(model, accelerated, kwargs, lightgen_only, seed),
-                 functools.cache(lambda: _hf_cuts(model, kwargs, seed)),
-                 functools.cache(lambda: _hf_rounding(model, kwargs, getattr(hf, "sequences", hf))))
+                 functools.cache(lambda: _cuts(model, kwargs, seed)),
+                 functools.cache(lambda: _hf_rounding(model, kwargs, getattr(hf, "sequences", hf))),
+                 functools.cache(lambda: _cuts(accelerated, kwargs, seed)))
     except AssertionError as error:
         raise AssertionError(f"{description}\n{error}") from None
     return description
@@ -581,9 +614,10 @@ def _rescored(model, accelerated, kwargs, lightgen_only, seed: int):
     return tuple(outputs)
 
 
-def _hf_cuts(model, kwargs, seed: int) -> list[torch.Tensor]:
-    """HF's candidates at each step's cut to the running beams ([batch, 2 x beams] scores, the finished at -1e9 as
-    HF sets them), recorded around its ``_get_running_beams_for_next_iteration`` in a rerun of the case."""
+def _cuts(model, kwargs, seed: int) -> list[torch.Tensor]:
+    """The candidates at each step's cut to the running beams ([batch, 2 x beams] scores, the finished at -1e9 as
+    HF sets them), recorded around ``_get_running_beams_for_next_iteration`` in a rerun of the case: HF's, or
+    lightgen's on an accelerated model (its beam search calls the same helper)."""
     cuts, select = [], model._get_running_beams_for_next_iteration
 
     def recorded(**arguments):
@@ -692,6 +726,28 @@ def test_fuzz_near_tie_beam_order_is_a_permutation_of_hfs_rows():
                                   82031753900246, 53744575201367, 14202331800197])
 def test_fuzz_near_tie_returned_hypotheses_in_another_order(seed):
     run_case(seed)
+
+
+# Gemma 3 beam 6 returning 4, length_penalty -1 (1 of 2726): HF's 6th and 7th candidates at step 2's cut tie to the
+# bit, lightgen's are one ulp apart and it runs the other; that sentence's hypotheses grow from another beam.
+def test_fuzz_hypotheses_past_a_tie_at_a_beam_cut():
+    run_case(11239426401975)
+
+
+def test_hypotheses_pass_another_way_only_past_a_tie_at_both_cuts():
+    hf = torch.tensor([[1, 2], [1, 3], [4, 5], [4, 6]])  # two sentences, two hypotheses each
+    other = hf.clone()
+    other[0, 1] = 9  # sentence 0 returns another hypothesis
+    tied = torch.tensor([[-1.0, -2.0, -2.0 - 1e-7, -3.0], [-1.0, -2.0, -3.0, -4.0]])  # sentence 0: 2nd, 3rd tie
+    apart = torch.tensor([[-1.0, -2.0, -2.5, -3.0], [-1.0, -2.0, -3.0, -4.0]])
+    diverged, excused = _beams_past_a_cut_tie(other, hf, 2, 2, [apart, tied], [apart, tied])
+    assert diverged == {0: 2} and excused.tolist() == [True, True, False, False]
+    for mine in ([apart, apart], [apart + 1, tied]):  # lightgen's cut did not tie, or parted before it
+        assert not _beams_past_a_cut_tie(other, hf, 2, 2, [apart, tied], mine)[1].any()
+    assert not _beams_past_a_cut_tie(other, hf, 2, 2, [apart, apart], [apart, apart])[1].any()  # no tie at all
+    moved = hf.clone()
+    moved[2, 1] = 9  # the other sentence, whose cuts never tied
+    assert not _beams_past_a_cut_tie(moved, hf, 2, 2, [apart, tied], [apart, tied])[1].any()
 
 
 def test_near_tie_order_needs_hfs_scores_to_tie():
