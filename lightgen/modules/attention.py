@@ -10,7 +10,8 @@ mask holds them (sdpa reads only the mask too). Soft-capped scores (Gemma 2), wh
 the op (prefill included) or, when gradients are recorded, the family's own eager function.
 
 A model whose own implementation was eager gets "lightgen_eager": the same, except that a query which sees no key
-(a padded prompt position) takes eager's result there, not sdpa's zeros (``with_even_keyless``).
+(a padded prompt position) takes eager's result there, not sdpa's zeros (``with_even_keyless``), and that fp16 /
+bf16 attention rounds where eager's does: the kernels in their eager mode, a prefill the family's eager function.
 """
 
 from __future__ import annotations
@@ -33,6 +34,26 @@ _UNSUPPORTED_KWARGS = ("position_bias", "s_aux")
 
 def lightgen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                                is_causal=None, **kwargs):
+    return _forward(module, query, key, value, attention_mask, scaling, dropout, is_causal, False, **kwargs)
+
+
+def lightgen_eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                                     is_causal=None, **kwargs):
+    # fp16 / bf16 round where eager does, not where sdpa does: a prefill runs the family's eager function itself.
+    rounded = query.dtype != torch.float32
+    if rounded and query.shape[-2] > 1:
+        return _eager(module, query, key, value, attention_mask, is_causal, scaling=scaling, dropout=dropout,
+                      **kwargs)
+    out, weights = _forward(module, query, key, value, attention_mask, scaling, dropout, is_causal, rounded,
+                            **kwargs)
+    if weights is not None or attention_mask is None or attention_mask.dtype != torch.bool:
+        return out, weights  # eager's own function ran, or no query can be without keys
+    keyless = ~attention_mask[..., :key.shape[-2]].any(-1)  # [B, 1 or H, Tq]
+    return with_even_keyless(out, lambda: value.float().mean(-2), keyless.transpose(1, 2)), None
+
+
+def _forward(module, query, key, value, attention_mask, scaling, dropout, is_causal, eager: bool, **kwargs):
+    """``eager``: fp16 / bf16 kernels round as HF's eager attention (``ops.attention``)."""
     grad = module.training or torch.is_grad_enabled()
     softcap = kwargs.get("softcap")
     if kwargs.get("output_attentions") or (softcap is not None and grad):
@@ -41,9 +62,9 @@ def lightgen_attention_forward(module, query, key, value, attention_mask, scalin
     if softcap is not None:
         if attention_mask is not None:
             return ops.attention(query, key, value, mask=attention_mask[..., :key.shape[-2]], scale=scaling,
-                                 softcap=softcap), None
+                                 softcap=softcap, eager=eager), None
         causal = query.shape[-2] > 1 and getattr(module, "is_causal", True)
-        return ops.attention(query, key, value, scale=scaling, causal=causal, softcap=softcap), None
+        return ops.attention(query, key, value, scale=scaling, causal=causal, softcap=softcap, eager=eager), None
     # Prefill, and anything that records gradients (our kernels have no autograd), take sdpa.
     prefill = query.shape[-2] > 1
     unsupported = any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS)
@@ -54,16 +75,8 @@ def lightgen_attention_forward(module, query, key, value, attention_mask, scalin
     if attention_mask is not None:
         attention_mask = attention_mask[..., :key_len]
     # A single query sees every key it is not masked from: no causal window needed.
-    out = ops.attention(query, key, value, mask=attention_mask, scale=scaling)
+    out = ops.attention(query, key, value, mask=attention_mask, scale=scaling, eager=eager)
     return out, None
-
-
-def lightgen_eager_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
-    out, weights = lightgen_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-    if weights is not None or attention_mask is None or attention_mask.dtype != torch.bool:
-        return out, weights  # eager's own function ran, or no query can be without keys
-    keyless = ~attention_mask[..., :key.shape[-2]].any(-1)  # [B, 1 or H, Tq]
-    return with_even_keyless(out, lambda: value.float().mean(-2), keyless.transpose(1, 2)), None
 
 
 def with_even_keyless(out, mean_value, keyless):

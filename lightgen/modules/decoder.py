@@ -212,9 +212,14 @@ class DecodeState:
         self.step_graph: step_graph.StepGraph | None = None  # on a GPU, once a one-token step ran
 
     @property
+    def eager(self) -> bool:
+        """The model runs HF's eager attention: fp16 / bf16 attention rounds as it does (``ops.attention``)."""
+        return self.eager_spans is not None
+
+    @property
     def spreading(self) -> bool:
         """The prompt pass of a padded prompt on HF's eager attention: positions that see no key spread."""
-        return self.in_prompt and self.eager_spans is not None and self.key_keep is not None
+        return self.in_prompt and self.eager and self.key_keep is not None
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Beam search picked ``rows``: rows of the same sentence swap caches, masks and positions (in place
@@ -459,7 +464,7 @@ class Decoder:
             if hiddens is not None:
                 hiddens.append(hidden)
         if observed is not None:
-            self._observe(observed, weights, hiddens, state.eager_spans is not None)
+            self._observe(observed, weights, hiddens, state.eager)
         return hidden
 
     def _native_plan(self, state: DecodeState, hidden: torch.Tensor) -> native_step.Plan | None:
@@ -545,12 +550,12 @@ class Decoder:
             query, key = self.spec.apply_rotary(query, key, *rotary)
         keys, values = state.cache.layer(index)
         out = ops.attention(query, keys, values, key, value, state.lengths, mask, attn.score_scale, True,
-                            attn.window, attn.softcap, stepwise=not state.in_prompt)
+                            attn.window, attn.softcap, stepwise=not state.in_prompt, eager=state.eager)
         if state.spreading:
             out = _spread_keyless(state, state.eager_spans[index], attn.window, values, out)
         if weights is not None:
             probs = ops.attention_probs(query, keys, state.lengths + length, mask, attn.score_scale, True,
-                                        attn.window, attn.softcap)
+                                        attn.window, attn.softcap, state.eager)
             weights.append((probs.to(query.dtype), state.cache.length, state.cache.length + length))
         return apply_linear(attn.out, out.view(rows, length, -1))
 
@@ -562,10 +567,10 @@ class Decoder:
         query = apply_linear(attn.q, h).view(sentences, expand * length, attn.heads, -1).transpose(1, 2)
         keys = state.cross_keys[index]
         out = ops.attention(query, keys, state.cross_values[index], None, None, None, state.encoder_keep,
-                            attn.scaling, False)
+                            attn.scaling, False, eager=state.eager)
         if weights is not None:  # [sentences, H, expand * T, S] -> per decoder row [rows, H, T, S]
             probs = ops.attention_probs(query, keys, torch.full((sentences,), keys.shape[2], device=h.device),
-                                        state.encoder_keep, attn.scaling, False)
+                                        state.encoder_keep, attn.scaling, False, eager=state.eager)
             weights.append(probs.to(query.dtype).view(sentences, attn.heads, expand, length, -1).transpose(1, 2)
                            .reshape(rows, attn.heads, length, -1))
         return apply_linear(attn.out, out.view(rows, length, -1))  # heads x head_dim may differ from the width (T5)

@@ -80,3 +80,48 @@ def test_bf16_generate_is_token_identical(family, settings):
         kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16)
         expected = reference.generate(**kwargs, num_beams=settings.get("num_beams", 1))
         assert torch.equal(lightgen.accelerate_model(model).generate(**kwargs, **settings), expected)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2", "mistral", "qwen3", "opt", "bart"])
+def test_bf16_forward_on_eager_attention_is_hfs_bit_for_bit(family):
+    """Through forward (HF's own loop, a fallback, a server's steps) an eager bf16 model's prefill runs the
+    family's eager function and a decode step the kernel's eager mode: logits bit for bit HF's (before: up to
+    5e-3 apart), padded positions included."""
+    model = build(family, dtype=torch.bfloat16)
+    model.set_attn_implementation("eager")
+    reference = copy.deepcopy(model)
+    accelerated = lightgen.accelerate_model(model)
+    ids, mask = padded_batch(family, 3, 9)
+    logits = []
+    with torch.no_grad():
+        for target in (reference, accelerated):
+            if target.config.is_encoder_decoder:
+                start = torch.full((3, 1), target.config.decoder_start_token_id)
+                prompt = target(input_ids=ids, attention_mask=mask, decoder_input_ids=start, use_cache=True)
+                step = target(encoder_outputs=(prompt.encoder_last_hidden_state,), attention_mask=mask,
+                              decoder_input_ids=prompt.logits[:, -1:].argmax(-1),
+                              past_key_values=prompt.past_key_values)
+            else:
+                prompt = target(input_ids=ids, attention_mask=mask, use_cache=True)
+                step = target(input_ids=prompt.logits[:, -1:].argmax(-1), past_key_values=prompt.past_key_values,
+                              attention_mask=torch.cat([mask, torch.ones_like(mask[:, :1])], 1))
+            logits.append((prompt.logits, step.logits))
+    assert torch.equal(logits[1][0], logits[0][0]) and torch.equal(logits[1][1], logits[0][1])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "opt", "mistral", "bart"])
+@pytest.mark.parametrize("settings", [dict(), dict(num_beams=3), dict(decoding="iad", max_draft=5)],
+                         ids=["greedy", "beams", "iad"])
+def test_bf16_generate_on_eager_attention_is_token_identical(family, settings):
+    """A model on HF's eager attention (Gemma 2's default, or chosen) rounds bf16 attention elsewhere than sdpa: the
+    scores, their scaling, softcap and mask in bf16, the float softmax rounded before it weighs the values. The
+    kernels round there for such a model (decode steps, the prompt pass, cross-attention; a prefill through
+    forward runs the family's eager function), so its tokens are HF's too."""
+    for seed in range(2):
+        model = build(family, seed=seed, dtype=torch.bfloat16)
+        model.set_attn_implementation("eager")
+        reference = copy.deepcopy(model)
+        ids, mask = padded_batch(family, 4, 9, seed=seed)
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16)
+        expected = reference.generate(**kwargs, num_beams=settings.get("num_beams", 1))
+        assert torch.equal(lightgen.accelerate_model(model).generate(**kwargs, **settings), expected)

@@ -72,6 +72,18 @@ def test_prefill_causal_matches_sdpa_with_gqa(q_len):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def _causal_visibility(q_len: int, key_len: int, window: int, padded: bool):
+    """([Tq, Tk] the keys each of the last q_len queries sees, causal and in its window; [3, Tk] three rows'
+    padding masks, two of them left-padded when ``padded``)."""
+    keys = torch.arange(key_len)
+    slots = (key_len - q_len + torch.arange(q_len))[:, None]
+    visible = (keys <= slots) & ((keys > slots - window) if window else True)
+    padding = torch.ones(3, key_len, dtype=torch.bool)
+    if padded:
+        padding[1, :4], padding[2, :1] = False, False
+    return visible, padding
+
+
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("q_heads, kv_heads, q_len, key_len, dim, window, padded", [
     (4, 2, 1, 37, 16, 0, False),  # decode steps
@@ -87,12 +99,7 @@ def test_half_precision_is_sdpas_bit_for_bit(half, q_heads, kv_heads, q_len, key
     last window - 1 cached keys and the new ones: the op, which holds every key, counts HF's keys from there.
     Not yet in fp16 for a window over two blocks: 1-2% of values one fp16 ulp off (not located)."""
     q, k, v, _, _ = _qkv(3, q_heads, kv_heads, q_len, key_len, dim, half, seed=key_len)
-    keys = torch.arange(key_len)
-    slots = (key_len - q_len + torch.arange(q_len))[:, None]
-    visible = (keys <= slots) & ((keys > slots - window) if window else True)
-    padding = torch.ones(3, key_len, dtype=torch.bool)
-    if padded:
-        padding[1, :4], padding[2, :1] = False, False
+    visible, padding = _causal_visibility(q_len, key_len, window, padded)
     out = ops.attention(q, k, v, mask=padding, causal=True, window=window)
     handed = slice(max(0, key_len - q_len - (window - 1)) if window else 0, key_len)
     group = q_heads // kv_heads  # HF repeats K/V heads for sdpa when it passes a mask
@@ -120,6 +127,40 @@ def test_a_stepwise_pass_rounds_as_one_token_steps(half, q_len, past, window):
         expected = F.scaled_dot_product_attention(q[:, :, i:i + 1], keys.repeat_interleave(2, 1),
                                                   values.repeat_interleave(2, 1), scale=0.25)
         assert torch.equal(out[:, i:i + 1], expected.transpose(1, 2))
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("q_heads, kv_heads, q_len, key_len, dim, window, softcap, padded", [
+    (4, 2, 1, 37, 16, 0, 0.0, False),  # decode steps
+    (2, 2, 1, 513, 64, 0, 0.0, True),
+    (4, 1, 1, 300, 80, 0, 50.0, True),  # Gemma 2's capped scores
+    (2, 2, 1, 90, 24, 16, 0.0, False),  # a sliding window
+    (4, 2, 9, 9, 32, 0, 0.0, True),  # a padded prompt
+    (2, 2, 40, 700, 24, 5, 30.0, True),  # a windowed, capped prefill after a long cache
+])
+def test_eager_mode_is_hfs_eager_attention(half, q_heads, kv_heads, q_len, key_len, dim, window, softcap, padded):
+    """A model on HF's eager attention forms fp16 / bf16 scores in the dtype (matmul, scaling, softcap and the
+    additive mask each rounded) and weighs the values with float32 softmax weights rounded to it: with ``eager``
+    the op rounds there, so its outputs are the family's own eager function's, bit for bit in bf16 (queries that
+    see keys; a query that sees none is the engine's to spread). In fp16 a score can be one ulp off: measured 0-0.2%
+    of outputs one ulp apart."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    q, k, v, _, _ = _qkv(3, q_heads, kv_heads, q_len, key_len, dim, half, seed=key_len + q_len)
+    visible, padding = _causal_visibility(q_len, key_len, window, padded)
+    keep = visible & padding[:, None, None, :]
+    out = ops.attention(q, k, v, mask=padding, causal=True, window=window, softcap=softcap, scale=0.3, eager=True)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = q_heads // kv_heads, False
+    additive = torch.zeros(keep.shape, dtype=half).masked_fill(~keep, torch.finfo(half).min)
+    expected, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.3, softcap=softcap or None)
+    sees = keep.any(-1).squeeze(1)  # [B, Tq]
+    reference = ops.attention_ref(q, k, v, None, None, None, padding, 0.3, True, window, softcap, eager=True)
+    assert torch.equal(reference[sees], expected[sees])
+    if half is torch.bfloat16:
+        assert torch.equal(out[sees], expected[sees])
+    else:  # torch's fp16 matmul sums a score's products in an order of its own: 0.05-0.1% of scores one ulp off
+        torch.testing.assert_close(out[sees], expected[sees], atol=2e-3, rtol=2e-3)
 
 
 def test_fully_masked_query_gives_zeros():

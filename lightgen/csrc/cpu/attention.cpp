@@ -94,6 +94,12 @@ void weigh_all_values(const float* p, int64_t first, int64_t last, const scalar_
   }
 }
 
+// x rounded to the dtype, as a tensor of it stores it.
+template <typename scalar_t>
+inline float rounded(float x) {
+  return static_cast<float>(static_cast<scalar_t>(x));
+}
+
 // fp16 / bf16 weights as PyTorch's CPU flash attention (the kernel HF's sdpa runs there) forms them, so that outputs
 // round where HF's do: per block of 512 keys from key 0 (the last one ends at the row's key count, ``len``),
 // exponentiated against the running maximum (the sum so far rescaled when it grows) with its exp (ATen's fast
@@ -137,11 +143,22 @@ float weigh_rounded(float* scores, int64_t origin, int64_t first, int64_t last, 
     if (running != kNone) {
       for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
     }
-    for (int64_t k = lo; k <= hi; ++k) scores[k] = static_cast<float>(static_cast<scalar_t>(scores[k]));
+    for (int64_t k = lo; k <= hi; ++k) scores[k] = rounded<scalar_t>(scores[k]);
     weigh_all_values(scores, lo, hi, vb, stride, D, acc, buf);
     running = top;
   }
   return denom;
+}
+
+// fp16 / bf16 attention as HF's eager function forms it in the dtype: the scores' matmul, its scaling, softcap and
+// mask each rounded to the dtype; a float softmax (dtype=float32) normalised by 1/sum and rounded, then a float
+// matmul with the values. ``scores`` holds the row's rounded scores over keys first..last.
+template <typename scalar_t>
+void weigh_eager(float* scores, int64_t first, int64_t last, float top, const scalar_t* vb, int64_t stride,
+                 int64_t D, float* acc, std::vector<float>& buf) {
+  const float inv = 1.f / exp_shifted(scores + first, last - first + 1, top);
+  for (int64_t j = first; j <= last; ++j) scores[j] = rounded<scalar_t>(scores[j] * inv);
+  weigh_all_values(scores, first, last, vb, stride, D, acc, buf);
 }
 
 // Tasks of at least this many key values (keys x head_dim) a chunk. A decode step finds its K/V cold (a step's weights
@@ -152,7 +169,7 @@ constexpr int64_t kAttendGrain = 8192;
 template <typename scalar_t>
 void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& key_len,
             const MaskView& mask, float scale, bool causal, int64_t window, float softcap, bool stepwise,
-            Tensor& out) {
+            bool eager, Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t group = Hq / k.size(1);
   const int64_t Tk = k.size(2);
@@ -182,27 +199,40 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
       const scalar_t* vb = v_base + b * vs0 + hk * vs1;
       float max_score = -std::numeric_limits<float>::infinity();
       for (int64_t j = first; j <= last; ++j) {
-        float s = row_dot(qf, as_float(kb + j * ks2, D, kbuf), D) * scale;
-        if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;  // Gemma 2: capped before the mask
-        s += mask_bias(mask, b, h, i, j);
+        float s;
+        if (eager) {
+          s = rounded<scalar_t>(rounded<scalar_t>(row_dot(qf, as_float(kb + j * ks2, D, kbuf), D)) * scale);
+          if (softcap > 0.f) {
+            s = rounded<scalar_t>(rounded<scalar_t>(std::tanh(rounded<scalar_t>(s / softcap))) * softcap);
+          }
+          s = rounded<scalar_t>(s + mask_bias(mask, b, h, i, j));
+        } else {
+          s = row_dot(qf, as_float(kb + j * ks2, D, kbuf), D) * scale;
+          if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;  // Gemma 2: capped before the mask
+          s += mask_bias(mask, b, h, i, j);
+        }
         scores[j] = s;
         max_score = std::max(max_score, s);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       if (max_score != -std::numeric_limits<float>::infinity()) {  // a fully masked query yields zeros
-        float denom;
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
-          // The keys HF hands attention: a prefill's (every query: the cached and new ones), or with ``stepwise``
-          // each query's own one-token step's (the keys up to its own).
-          const int64_t past = stepwise ? slot : len - Tq, end = stepwise ? slot + 1 : len;
-          const int64_t origin = window > 0 ? std::max<int64_t>(0, past - (window - 1)) : 0;
-          denom = weigh_rounded(scores.data(), origin, first, last, end, vb, vs2, D, acc.data(), vbuf);
+        if (eager) {
+          weigh_eager(scores.data(), first, last, max_score, vb, vs2, D, acc.data(), vbuf);  // normalised weights
         } else {
-          denom = exp_shifted(scores.data() + first, last - first + 1, max_score);
-          weigh_all_values(scores.data(), first, last, vb, vs2, D, acc.data(), vbuf);
+          float denom;
+          if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
+            // The keys HF hands attention: a prefill's (every query: the cached and new ones), or with ``stepwise``
+            // each query's own one-token step's (the keys up to its own).
+            const int64_t past = stepwise ? slot : len - Tq, end = stepwise ? slot + 1 : len;
+            const int64_t origin = window > 0 ? std::max<int64_t>(0, past - (window - 1)) : 0;
+            denom = weigh_rounded(scores.data(), origin, first, last, end, vb, vs2, D, acc.data(), vbuf);
+          } else {
+            denom = exp_shifted(scores.data() + first, last - first + 1, max_score);
+            weigh_all_values(scores.data(), first, last, vb, vs2, D, acc.data(), vbuf);
+          }
+          const float inv = 1.f / denom;
+          for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
         }
-        const float inv = 1.f / denom;
-        for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
       }
       store_row(acc.data(), out_base + ((b * Tq + i) * Hq + h) * D, D);
     }
@@ -219,11 +249,11 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
 // window > 0: query i (at cache position len - Tq + i) sees only keys j > len - Tq + i - window (HF's sliding
 // window); softcap > 0: scores become tanh(s / softcap) * softcap before the mask is added. ``stepwise`` (causal
 // fp16 / bf16 only): each query rounds as HF's one-token step for it would (a verification pass of drafts),
-// not as one prefill.
+// not as one prefill. ``eager`` (fp16 / bf16 only): rounded as HF's eager attention, not as its sdpa.
 Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::optional<Tensor>& k_new,
                  const c10::optional<Tensor>& v_new, const c10::optional<Tensor>& cache_pos,
                  const c10::optional<Tensor>& mask, double scale, bool causal, int64_t window, double softcap,
-                 bool stepwise) {
+                 bool stepwise, bool eager) {
   LG_CHECK_CPU(kOp, q);
   LG_CHECK_CPU(kOp, k_cache);
   LG_CHECK_CPU(kOp, v_cache);
@@ -280,7 +310,7 @@ Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::o
       write_new_kv<scalar_t>(*v_new, v_cache, pos);
     }
     attend<scalar_t>(q, k_cache, v_cache, key_len, view, static_cast<float>(scale), causal, window,
-                     static_cast<float>(softcap), stepwise && causal, out);
+                     static_cast<float>(softcap), stepwise && causal, eager && q.scalar_type() != at::kFloat, out);
   });
   return out;
 }
