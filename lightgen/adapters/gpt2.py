@@ -44,7 +44,8 @@ def gpt2_decoder(model) -> Decoder | None:
     layers = tuple(
         DecoderLayerWeights(
             self_attn=AttentionWeights(block.attn.c_attn, None, None, block.attn.c_proj, block.attn.num_heads,
-                                       block.attn.num_heads, block.attn.head_dim, block.attn.scaling),
+                                       block.attn.num_heads, block.attn.head_dim, block.attn.scaling,
+                                       upcast=block.attn.reorder_and_upcast_attn),
             self_norm=block.ln_1, ffn_owner=block.mlp, ffn_norm=block.ln_2)
         for block in transformer.h
     )

@@ -40,31 +40,31 @@ def lightgen_attention_forward(module, query, key, value, attention_mask, scalin
 def lightgen_eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                                      is_causal=None, **kwargs):
     # fp16 / bf16 round where eager does, not where sdpa does: a prefill runs the family's eager function itself.
-    rounded = query.dtype != torch.float32
-    if rounded and query.shape[-2] > 1:
-        return _eager(module, query, key, value, attention_mask, is_causal, scaling=scaling, dropout=dropout,
+    if query.dtype != torch.float32 and query.shape[-2] > 1:
+        return _eager(module, query, key, value, attention_mask, is_causal, True, scaling=scaling, dropout=dropout,
                       **kwargs)
-    out, weights = _forward(module, query, key, value, attention_mask, scaling, dropout, is_causal, rounded,
-                            **kwargs)
+    out, weights = _forward(module, query, key, value, attention_mask, scaling, dropout, is_causal, True, **kwargs)
     if weights is not None or attention_mask is None or attention_mask.dtype != torch.bool:
         return out, weights  # eager's own function ran, or no query can be without keys
     keyless = ~attention_mask[..., :key.shape[-2]].any(-1)  # [B, 1 or H, Tq]
     return with_even_keyless(out, lambda: value.float().mean(-2), keyless.transpose(1, 2)), None
 
 
-def _forward(module, query, key, value, attention_mask, scaling, dropout, is_causal, eager: bool, **kwargs):
-    """``eager``: fp16 / bf16 kernels round as HF's eager attention (``ops.attention``)."""
+def _forward(module, query, key, value, attention_mask, scaling, dropout, is_causal, eager_model: bool, **kwargs):
+    """``eager_model``: the model ran HF's eager attention; fp16 / bf16 kernels round as it does."""
     grad = module.training or torch.is_grad_enabled()
     softcap = kwargs.get("softcap")
     if kwargs.get("output_attentions") or (softcap is not None and grad):
-        return _eager(module, query, key, value, attention_mask, is_causal, scaling=scaling, dropout=dropout,
-                      **kwargs)
+        return _eager(module, query, key, value, attention_mask, is_causal, eager_model, scaling=scaling,
+                      dropout=dropout, **kwargs)
+    eager, upcast = eager_model and query.dtype != torch.float32, _upcasts(module)
     if softcap is not None:
         if attention_mask is not None:
             return ops.attention(query, key, value, mask=attention_mask[..., :key.shape[-2]], scale=scaling,
-                                 softcap=softcap, eager=eager), None
+                                 softcap=softcap, eager=eager, upcast=upcast), None
         causal = query.shape[-2] > 1 and getattr(module, "is_causal", True)
-        return ops.attention(query, key, value, scale=scaling, causal=causal, softcap=softcap, eager=eager), None
+        return ops.attention(query, key, value, scale=scaling, causal=causal, softcap=softcap, eager=eager,
+                             upcast=upcast), None
     # Prefill, and anything that records gradients (our kernels have no autograd), take sdpa.
     prefill = query.shape[-2] > 1
     unsupported = any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS)
@@ -75,7 +75,7 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, is_cau
     if attention_mask is not None:
         attention_mask = attention_mask[..., :key_len]
     # A single query sees every key it is not masked from: no causal window needed.
-    out = ops.attention(query, key, value, mask=attention_mask, scale=scaling, eager=eager)
+    out = ops.attention(query, key, value, mask=attention_mask, scale=scaling, eager=eager, upcast=upcast)
     return out, None
 
 
@@ -97,9 +97,15 @@ def implementation_for(hf_implementation: str | None) -> str:
     return EAGER_IMPLEMENTATION if hf_implementation == "eager" else IMPLEMENTATION
 
 
-def _eager(module, query, key, value, attention_mask, is_causal, **kwargs):
+def _upcasts(module) -> bool:
+    """GPT-2's ``reorder_and_upcast_attn``: its eager attention forms the scores in float32."""
+    return bool(getattr(module, "reorder_and_upcast_attn", False))
+
+
+def _eager(module, query, key, value, attention_mask, is_causal, eager_model: bool, **kwargs):
     """Attention weights as the module's family computes them: its own ``eager_attention_forward`` (which
-    repeats grouped K/V heads), or BERT's for families without one, with K/V heads repeated here."""
+    repeats grouped K/V heads), or BERT's for families without one, with K/V heads repeated here; for a model
+    that ran eager with GPT-2's ``reorder_and_upcast_attn``, the upcast attention HF runs then."""
     query_len, key_len = query.shape[-2], key.shape[-2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if attention_mask is None and query_len > 1 and causal:
@@ -110,6 +116,8 @@ def _eager(module, query, key, value, attention_mask, is_causal, **kwargs):
     if attention_mask is not None and attention_mask.dtype == torch.bool:  # sdpa's mask (ours): eager adds it
         attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
             ~attention_mask, torch.finfo(query.dtype).min)
+    if eager_model and _upcasts(module):
+        return module._upcast_and_reordered_attn(query, key, value, attention_mask)
     family_eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if family_eager is not None:
         return family_eager(module, query, key, value, attention_mask, **kwargs)

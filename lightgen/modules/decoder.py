@@ -52,6 +52,7 @@ class AttentionWeights:
     scale_queries: bool = False  # q is multiplied by ``scaling`` before the dot products (OPT), not the scores
     window: int = 0  # sliding window (HF's ``sliding_window``: keys seen, the query's own included); 0: none
     softcap: float = 0.0  # tanh soft-capping of the scores (Gemma 2's attn_logit_softcapping); 0: none
+    upcast: bool = False  # eager attention keeps the scores in float32 (GPT-2's reorder_and_upcast_attn)
 
     def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[N, T, E] -> q [N, H, T, D], k and v [N, Hkv, T, D] (views, unless normed or scaled)."""
@@ -550,12 +551,13 @@ class Decoder:
             query, key = self.spec.apply_rotary(query, key, *rotary)
         keys, values = state.cache.layer(index)
         out = ops.attention(query, keys, values, key, value, state.lengths, mask, attn.score_scale, True,
-                            attn.window, attn.softcap, stepwise=not state.in_prompt, eager=state.eager)
+                            attn.window, attn.softcap, stepwise=not state.in_prompt, eager=state.eager,
+                            upcast=attn.upcast)
         if state.spreading:
             out = _spread_keyless(state, state.eager_spans[index], attn.window, values, out)
         if weights is not None:
             probs = ops.attention_probs(query, keys, state.lengths + length, mask, attn.score_scale, True,
-                                        attn.window, attn.softcap, state.eager)
+                                        attn.window, attn.softcap, state.eager, attn.upcast)
             weights.append((probs.to(query.dtype), state.cache.length, state.cache.length + length))
         return apply_linear(attn.out, out.view(rows, length, -1))
 

@@ -12,7 +12,8 @@ added (Gemma 2). A query with no visible key returns zeros. In fp16 / bf16 the C
 kernel HF's sdpa runs there (PyTorch's CPU flash attention): as one prefill, or with ``stepwise`` (causal)
 each query as HF's one-token step for it would (a verification pass of drafts); with ``eager`` as HF's eager
 attention (scores, their scaling, softcap and mask each rounded to the dtype, the softmax in float32 rounded before
-it weighs the values). float32 ignores both.
+it weighs the values; ``upcast`` keeps the scores in float32, as GPT-2's ``reorder_and_upcast_attn``). float32
+ignores both.
 Returns [B, Tq, Hq, D], the layout the output projection reads.
 """
 
@@ -24,15 +25,16 @@ from lightgen import _build
 
 
 def attention(q, k_cache, v_cache, k_new=None, v_new=None, cache_pos=None, mask=None, scale=None, causal=False,
-              window: int = 0, softcap: float = 0.0, stepwise: bool = False, eager: bool = False):
+              window: int = 0, softcap: float = 0.0, stepwise: bool = False, eager: bool = False,
+              upcast: bool = False):
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return _build.op("attention")(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window, softcap,
-                                  stepwise, eager)
+                                  stepwise, eager, upcast)
 
 
 def attention_ref(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window=0, softcap=0.0,
-                  stepwise=False, eager=False):
+                  stepwise=False, eager=False, upcast=False):
     if window < 0 or softcap < 0:
         raise RuntimeError(f"lightgen.attention: 'window' and 'softcap' must be >= 0 (0: none), got {window}, {softcap}")
     batch, q_heads, q_len, _ = q.shape
@@ -51,32 +53,28 @@ def attention_ref(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, cau
     group = q_heads // kv_heads
     in_cache = torch.arange(max_len, device=q.device).view(1, -1) < key_len.view(-1, 1)  # [B, Tmax]
     # Zero unwritten values: 0-probability x uninitialised memory (inf/NaN) would poison the sum.
-    dtype = _scores_dtype(q, eager)
+    dtype = q.dtype if eager else torch.float32
     values = v_cache.to(dtype).repeat_interleave(group, dim=1).masked_fill(~in_cache[:, None, :, None], 0.0)
-    probs = attention_probs(q, k_cache, key_len, mask, scale, causal, window, softcap, eager)
+    probs = attention_probs(q, k_cache, key_len, mask, scale, causal, window, softcap, eager, upcast)
     out = torch.matmul(probs.to(dtype), values)  # [B, Hq, Tq, D]
     return out.transpose(1, 2).contiguous().to(q.dtype)
 
 
-def _scores_dtype(q, eager: bool) -> torch.dtype:
-    """HF's eager attention keeps fp16 / bf16 scores in their dtype; otherwise they are float32."""
-    return q.dtype if eager else torch.float32
-
-
-def attention_probs(q, k_cache, key_len, mask, scale, causal, window=0, softcap=0.0, eager=False):
+def attention_probs(q, k_cache, key_len, mask, scale, causal, window=0, softcap=0.0, eager=False, upcast=False):
     """The weights ``attention`` gives each key, float32 [B, Hq, Tq, Tmax], for caches written up to ``key_len``
     [B] (int64; the queries are the last Tq of them); the other arguments as ``attention``'s. A query with no
     visible key gets zeros. The reference computes its output from these; the decoder step returns them for
     HF's ``output_attentions`` (the kernels return only the output: computing the weights here, and only on
     the calls that ask, keeps every other call as fast as it was and the weights the reference's, exactly).
-    With ``eager``, fp16 / bf16 scores are formed in their dtype, as HF's eager attention forms them.
+    With ``eager`` (and not ``upcast``), fp16 / bf16 scores are formed in their dtype, as HF's eager attention
+    forms them.
     """
     _, q_heads, q_len, _ = q.shape
     max_len = k_cache.shape[2]
     group = q_heads // k_cache.shape[1]
     key_idx = torch.arange(max_len, device=q.device)
     in_cache = key_idx.view(1, -1) < key_len.view(-1, 1)  # [B, Tmax]: positions past a row's length are unwritten
-    dtype = _scores_dtype(q, eager)
+    dtype = q.dtype if eager and not upcast else torch.float32
     keys = k_cache.to(dtype).repeat_interleave(group, dim=1)
     scores = torch.matmul(q.to(dtype), keys.transpose(-1, -2)) * scale  # [B, Hq, Tq, Tmax]
     if softcap > 0:
@@ -105,7 +103,7 @@ def attention_probs(q, k_cache, key_len, mask, scale, causal, window=0, softcap=
 
 
 def _attention_fake(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window=0, softcap=0.0,
-                    stepwise=False, eager=False):
+                    stepwise=False, eager=False, upcast=False):
     batch, heads, q_len, head_dim = q.shape
     return q.new_empty((batch, q_len, heads, head_dim))
 

@@ -82,16 +82,27 @@ def test_bf16_generate_is_token_identical(family, settings):
         assert torch.equal(lightgen.accelerate_model(model).generate(**kwargs, **settings), expected)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2", "mistral", "qwen3", "opt", "bart"])
+def _eager_bf16(family: str, seed: int = 0):
+    """``family``'s test model in bf16 on HF's eager attention; "gpt2_upcast": GPT-2 with reorder_and_upcast_attn,
+    whose eager attention forms the scores in float32."""
+    model = build(family.removesuffix("_upcast"), seed=seed, dtype=torch.bfloat16)
+    if family == "gpt2_upcast":
+        model.config.reorder_and_upcast_attn = True
+        for block in model.transformer.h:
+            block.attn.reorder_and_upcast_attn = True
+    model.set_attn_implementation("eager")
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2", "gpt2_upcast", "mistral", "qwen3", "opt", "bart"])
 def test_bf16_forward_on_eager_attention_is_hfs_bit_for_bit(family):
     """Through forward (HF's own loop, a fallback, a server's steps) an eager bf16 model's prefill runs the
     family's eager function and a decode step the kernel's eager mode: logits bit for bit HF's (before: up to
     5e-3 apart), padded positions included."""
-    model = build(family, dtype=torch.bfloat16)
-    model.set_attn_implementation("eager")
+    model = _eager_bf16(family)
     reference = copy.deepcopy(model)
     accelerated = lightgen.accelerate_model(model)
-    ids, mask = padded_batch(family, 3, 9)
+    ids, mask = padded_batch(family.removesuffix("_upcast"), 3, 9)
     logits = []
     with torch.no_grad():
         for target in (reference, accelerated):
@@ -109,19 +120,19 @@ def test_bf16_forward_on_eager_attention_is_hfs_bit_for_bit(family):
     assert torch.equal(logits[1][0], logits[0][0]) and torch.equal(logits[1][1], logits[0][1])
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "opt", "mistral", "bart"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt2_upcast", "gemma2", "opt", "mistral", "bart"])
 @pytest.mark.parametrize("settings", [dict(), dict(num_beams=3), dict(decoding="iad", max_draft=5)],
                          ids=["greedy", "beams", "iad"])
 def test_bf16_generate_on_eager_attention_is_token_identical(family, settings):
     """A model on HF's eager attention (Gemma 2's default, or chosen) rounds bf16 attention elsewhere than sdpa: the
     scores, their scaling, softcap and mask in bf16, the float softmax rounded before it weighs the values. The
     kernels round there for such a model (decode steps, the prompt pass, cross-attention; a prefill through
-    forward runs the family's eager function), so its tokens are HF's too."""
+    forward runs the family's eager function), so its tokens are HF's too; GPT-2's reorder_and_upcast_attn keeps
+    the scores in float32 there, and so do the kernels."""
     for seed in range(2):
-        model = build(family, seed=seed, dtype=torch.bfloat16)
-        model.set_attn_implementation("eager")
+        model = _eager_bf16(family, seed)
         reference = copy.deepcopy(model)
-        ids, mask = padded_batch(family, 4, 9, seed=seed)
+        ids, mask = padded_batch(family.removesuffix("_upcast"), 4, 9, seed=seed)
         kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16)
         expected = reference.generate(**kwargs, num_beams=settings.get("num_beams", 1))
         assert torch.equal(lightgen.accelerate_model(model).generate(**kwargs, **settings), expected)

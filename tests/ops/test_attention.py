@@ -163,6 +163,26 @@ def test_eager_mode_is_hfs_eager_attention(half, q_heads, kv_heads, q_len, key_l
         torch.testing.assert_close(out[sees], expected[sees], atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("q_len, key_len", [(1, 37), (1, 300), (9, 9)])
+def test_eager_mode_with_upcast_scores_is_gpt2s_upcast_attention(q_len, key_len):
+    """GPT-2's ``reorder_and_upcast_attn`` eager attention forms the scores in float32 (baddbmm), weighs the values
+    with its float softmax rounded to bf16: ``upcast`` keeps the op's scores in float32 too."""
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    module = GPT2Attention(GPT2Config(n_embd=64, n_head=4, reorder_and_upcast_attn=True), layer_idx=0).eval()
+    q, k, v, _, _ = _qkv(3, 4, 4, q_len, key_len, 16, torch.bfloat16, seed=key_len)
+    visible, padding = _causal_visibility(q_len, key_len, 0, True)
+    keep = visible & padding[:, None, None, :]
+    additive = torch.zeros(keep.shape, dtype=torch.bfloat16).masked_fill(~keep, torch.finfo(torch.bfloat16).min)
+    expected, _ = module._upcast_and_reordered_attn(q, k, v, additive)
+    out = ops.attention(q, k, v, mask=padding, causal=True, scale=module.scaling, eager=True, upcast=True)
+    sees = keep.any(-1).squeeze(1)
+    assert torch.equal(out[sees], expected[sees])
+    reference = ops.attention_ref(q, k, v, None, None, None, padding, module.scaling, True, eager=True, upcast=True)
+    assert torch.equal(reference[sees], expected[sees])
+
+
 def test_fully_masked_query_gives_zeros():
     q, k, v, _, _ = _qkv(1, 2, 2, 2, 4, 8, torch.float32)
     mask = torch.tensor([[[[False] * 4, [True] * 4]]])

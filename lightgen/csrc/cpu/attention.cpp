@@ -169,7 +169,7 @@ constexpr int64_t kAttendGrain = 8192;
 template <typename scalar_t>
 void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& key_len,
             const MaskView& mask, float scale, bool causal, int64_t window, float softcap, bool stepwise,
-            bool eager, Tensor& out) {
+            bool eager, bool upcast, Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t group = Hq / k.size(1);
   const int64_t Tk = k.size(2);
@@ -200,7 +200,7 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
       float max_score = -std::numeric_limits<float>::infinity();
       for (int64_t j = first; j <= last; ++j) {
         float s;
-        if (eager) {
+        if (eager && !upcast) {
           s = rounded<scalar_t>(rounded<scalar_t>(row_dot(qf, as_float(kb + j * ks2, D, kbuf), D)) * scale);
           if (softcap > 0.f) {
             s = rounded<scalar_t>(rounded<scalar_t>(std::tanh(rounded<scalar_t>(s / softcap))) * softcap);
@@ -249,11 +249,12 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
 // window > 0: query i (at cache position len - Tq + i) sees only keys j > len - Tq + i - window (HF's sliding
 // window); softcap > 0: scores become tanh(s / softcap) * softcap before the mask is added. ``stepwise`` (causal
 // fp16 / bf16 only): each query rounds as HF's one-token step for it would (a verification pass of drafts),
-// not as one prefill. ``eager`` (fp16 / bf16 only): rounded as HF's eager attention, not as its sdpa.
+// not as one prefill. ``eager`` (fp16 / bf16 only): rounded as HF's eager attention, not as its sdpa; with
+// ``upcast`` its scores stay float32 (GPT-2's reorder_and_upcast_attn).
 Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::optional<Tensor>& k_new,
                  const c10::optional<Tensor>& v_new, const c10::optional<Tensor>& cache_pos,
                  const c10::optional<Tensor>& mask, double scale, bool causal, int64_t window, double softcap,
-                 bool stepwise, bool eager) {
+                 bool stepwise, bool eager, bool upcast) {
   LG_CHECK_CPU(kOp, q);
   LG_CHECK_CPU(kOp, k_cache);
   LG_CHECK_CPU(kOp, v_cache);
@@ -310,7 +311,8 @@ Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::o
       write_new_kv<scalar_t>(*v_new, v_cache, pos);
     }
     attend<scalar_t>(q, k_cache, v_cache, key_len, view, static_cast<float>(scale), causal, window,
-                     static_cast<float>(softcap), stepwise && causal, eager && q.scalar_type() != at::kFloat, out);
+                     static_cast<float>(softcap), stepwise && causal, eager && q.scalar_type() != at::kFloat,
+                     upcast, out);
   });
   return out;
 }

@@ -36,6 +36,7 @@ at::Tensor gated_act(const at::Tensor& gate, const at::Tensor& up, c10::string_v
 at::Tensor attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
                      const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
                      const c10::optional<at::Tensor>& cache_pos, const c10::optional<at::Tensor>& mask, double scale,
-                     bool causal, int64_t window, double softcap, bool stepwise = false, bool eager = false);
+                     bool causal, int64_t window, double softcap, bool stepwise = false, bool eager = false,
+                     bool upcast = false);
 
 }  // namespace lightgen
