@@ -47,7 +47,7 @@ def lightgen_eager_attention_forward(module, query, key, value, attention_mask, 
     if weights is not None or attention_mask is None or attention_mask.dtype != torch.bool:
         return out, weights  # eager's own function ran, or no query can be without keys
     keyless = ~attention_mask[..., :key.shape[-2]].any(-1)  # [B, 1 or H, Tq]
-    return with_even_keyless(out, lambda: value.float().mean(-2), keyless.transpose(1, 2)), None
+    return with_even_keyless(out, lambda: even_spread(value, value.shape[-2]), keyless.transpose(1, 2)), None
 
 
 def _forward(module, query, key, value, attention_mask, scaling, dropout, is_causal, eager_model: bool, **kwargs):
@@ -77,6 +77,13 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, is_cau
     # A single query sees every key it is not masked from: no causal window needed.
     out = ops.attention(query, key, value, mask=attention_mask, scale=scaling, eager=eager, upcast=upcast)
     return out, None
+
+
+def even_spread(values: torch.Tensor, keys: int) -> torch.Tensor:
+    """What eager's softmax over equal scores makes of ``values`` [B, Hkv, keys, D] (float [B, Hkv, D]): each weighs
+    1 / keys, a weight rounded to the values' dtype as eager rounds its softmax (bf16's 1/9 is 0.1113...)."""
+    weight = torch.tensor(1.0 / keys).to(values.dtype).float()
+    return (values.float() * weight).sum(-2)
 
 
 def with_even_keyless(out, mean_value, keyless):

@@ -19,7 +19,7 @@ from torch import nn
 
 from lightgen import ops
 from lightgen.modules import native_step, step_graph
-from lightgen.modules.attention import with_even_keyless
+from lightgen.modules.attention import even_spread, with_even_keyless
 from lightgen.modules.block import BlockSpec, feed_forward, run_block
 from lightgen.modules.kv_cache import POOL, StaticKVCache
 from lightgen.modules.linear import apply_linear, kernel_weights
@@ -273,7 +273,7 @@ def _spread_keyless(state: DecodeState, span: KeySpan, window: int, values: torc
     query = torch.arange(past, end, device=out.device)
     first = (query - window + 1).clamp_min(0) if window else torch.zeros_like(query)
     keyless = seen[:, query + 1] == seen[:, first]
-    return with_even_keyless(out, lambda: values[:, :, span.first:end].float().sum(-2) / span.keys, keyless)
+    return with_even_keyless(out, lambda: even_spread(values[:, :, span.first:end], span.keys), keyless)
 
 
 def _select_rows(t: torch.Tensor, rows: torch.Tensor, in_place: bool) -> torch.Tensor:

@@ -120,6 +120,27 @@ def test_bf16_forward_on_eager_attention_is_hfs_bit_for_bit(family):
     assert torch.equal(logits[1][0], logits[0][0]) and torch.equal(logits[1][1], logits[0][1])
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2", "qwen3"])
+def test_bf16_eager_padded_positions_are_hfs_bit_for_bit(family):
+    """A left-padded position sees no key; HF's eager softmax weighs each key handed to it by 1 / n rounded to
+    bf16 (1/9: 0.1113...), not by the exact mean: the hidden states there, the attentions and the returned cache
+    (whose later layers' K/V carry those positions) are HF's bit for bit."""
+    model = _eager_bf16(family)
+    reference = copy.deepcopy(model)
+    accelerated = lightgen.accelerate_model(model)
+    ids, mask = padded_batch(family, 3, 9)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, return_dict_in_generate=True,
+                  output_hidden_states=True, output_attentions=True)
+    expected, got = reference.generate(**kwargs), accelerated.generate(**kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for name in ("hidden_states", "attentions"):
+        for got_step, expected_step in zip(getattr(got, name), getattr(expected, name), strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(got_step, expected_step, strict=True)), name
+    caches = [output.get("cache") or output.get("past_key_values") for output in (got, expected)]  # 5.24 renamed it
+    for got_layer, expected_layer in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(got_layer.keys, expected_layer.keys) and torch.equal(got_layer.values, expected_layer.values)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt2_upcast", "gemma2", "opt", "mistral", "bart"])
 @pytest.mark.parametrize("settings", [dict(), dict(num_beams=3), dict(decoding="iad", max_draft=5)],
                          ids=["greedy", "beams", "iad"])
