@@ -34,6 +34,23 @@ def test_add_layer_norm_returns_sum_and_norm(shape, dtype):
     torch.testing.assert_close(normed, ref_normed, **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("width", [8, 33, 48, 576, 1000, 1024])
+def test_layer_norm_is_torchs_bit_for_bit(half, width):
+    """LayerNorm with weight and bias rounds as F.layer_norm (HF's) does: ATen's moments over 256-bit vectors and
+    its epilogues; fp16 / bf16 at any width, float32 where the width is a multiple of 8 (a remainder's scalar
+    moments round where torch's compiler fused otherwise)."""
+    x, residual, weight, bias = _inputs((500, width), half, seed=width)
+    _, normed = ops.add_layer_norm(x, residual, weight, bias, 1e-5)
+    pairs = [(ops.layer_norm(x, weight, bias, 1e-5), torch.nn.functional.layer_norm(x, (width,), weight, bias, 1e-5)),
+             (normed, torch.nn.functional.layer_norm(x + residual, (width,), weight, bias, 1e-5))]
+    for got, expected in pairs:
+        if half is torch.float32 and width % 8:
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+        else:
+            assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_rms_norms_match_reference(shape, dtype):
     x, residual, weight, _ = _inputs(shape, dtype, seed=2)

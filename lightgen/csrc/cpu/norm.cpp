@@ -2,6 +2,7 @@
 #include <torch/library.h>
 #include "../include/checks.h"
 #include "../include/cpu_ops.h"
+#include "../include/layer_norm_rows.h"
 #include "../include/vec_math.h"
 
 namespace lightgen {
@@ -50,24 +51,29 @@ void norm_rows(const NormArgs& a, const Tensor& x, const Tensor* residual, const
   scalar_t* sp = sum_out ? sum_out->data_ptr<scalar_t>() : nullptr;
   scalar_t* yp = y.data_ptr<scalar_t>();
   std::vector<float> wbuf, bbuf;
-  const float* w = as_float(weight.data_ptr<scalar_t>(), c, wbuf);
-  const float* b = bias ? as_float(bias->data_ptr<scalar_t>(), c, bbuf) : nullptr;
+  const scalar_t* weight_data = weight.data_ptr<scalar_t>();
+  const scalar_t* bias_data = bias ? bias->data_ptr<scalar_t>() : nullptr;
+  const float* w = as_float(weight_data, c, wbuf);
+  const float* b = bias ? as_float(bias_data, c, bbuf) : nullptr;
 
   at::parallel_for(0, rows, row_grain(c), [&](int64_t begin, int64_t end) {
     std::vector<float> row(c), xbuf;
     for (int64_t r = begin; r < end; ++r) {
-      const float* src;
+      const scalar_t* row_in = xp + r * c;
       if (rp) {
         // The sum is rounded to scalar_t before normalising, as the unfused composite does.
         for (int64_t i = 0; i < c; ++i) {
-          scalar_t s = static_cast<scalar_t>(static_cast<float>(xp[r * c + i]) + static_cast<float>(rp[r * c + i]));
-          sp[r * c + i] = s;
-          row[i] = static_cast<float>(s);
+          sp[r * c + i] = static_cast<scalar_t>(static_cast<float>(xp[r * c + i]) + static_cast<float>(rp[r * c + i]));
         }
-        src = row.data();
-      } else {
-        src = as_float(xp + r * c, c, xbuf);
+        row_in = sp + r * c;
       }
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        if (!a.rms && bias_data) {  // LayerNorm with weight and bias, as F.layer_norm rounds it
+          layer_norm_row_as_torch(row_in, weight_data, bias_data, yp + r * c, c, a.eps);
+          continue;
+        }
+      }
+      const float* src = as_float(row_in, c, xbuf);
       float mean = a.rms ? 0.f : row_sum(src, c) / c;
       float rstd = 1.f / std::sqrt(row_sum_sq(src, c, mean) / c + a.eps);
       float* out = row.data();
