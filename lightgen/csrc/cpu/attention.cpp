@@ -185,6 +185,9 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  // Each step of a score as stored: rounded to the dtype where HF's eager attention keeps its scores in it.
+  const bool dtype_scores = eager && !upcast;
+  const auto score = [dtype_scores](float x) { return dtype_scores ? rounded<scalar_t>(x) : x; };
   at::parallel_for(0, B * Hq * Tq, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(Tk), acc(D), qbuf, kbuf, vbuf;
     for (int64_t task = begin; task < end; ++task) {
@@ -199,18 +202,9 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
       const scalar_t* vb = v_base + b * vs0 + hk * vs1;
       float max_score = -std::numeric_limits<float>::infinity();
       for (int64_t j = first; j <= last; ++j) {
-        float s;
-        if (eager && !upcast) {
-          s = rounded<scalar_t>(rounded<scalar_t>(row_dot(qf, as_float(kb + j * ks2, D, kbuf), D)) * scale);
-          if (softcap > 0.f) {
-            s = rounded<scalar_t>(rounded<scalar_t>(std::tanh(rounded<scalar_t>(s / softcap))) * softcap);
-          }
-          s = rounded<scalar_t>(s + mask_bias(mask, b, h, i, j));
-        } else {
-          s = row_dot(qf, as_float(kb + j * ks2, D, kbuf), D) * scale;
-          if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;  // Gemma 2: capped before the mask
-          s += mask_bias(mask, b, h, i, j);
-        }
+        float s = score(score(row_dot(qf, as_float(kb + j * ks2, D, kbuf), D)) * scale);
+        if (softcap > 0.f) s = score(score(std::tanh(score(s / softcap))) * softcap);  // Gemma 2: before the mask
+        s = score(s + mask_bias(mask, b, h, i, j));
         scores[j] = s;
         max_score = std::max(max_score, s);
       }

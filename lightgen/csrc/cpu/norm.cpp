@@ -53,8 +53,10 @@ void norm_rows(const NormArgs& a, const Tensor& x, const Tensor* residual, const
   std::vector<float> wbuf, bbuf;
   const scalar_t* weight_data = weight.data_ptr<scalar_t>();
   const scalar_t* bias_data = bias ? bias->data_ptr<scalar_t>() : nullptr;
-  const float* w = as_float(weight_data, c, wbuf);
-  const float* b = bias ? as_float(bias_data, c, bbuf) : nullptr;
+  // LayerNorm with weight and bias rounds as F.layer_norm (layer_norm_rows.cpp); the rest normalise here.
+  const bool as_torch = !std::is_same_v<scalar_t, double> && !a.rms && bias_data;
+  const float* w = as_torch ? nullptr : as_float(weight_data, c, wbuf);
+  const float* b = bias && !as_torch ? as_float(bias_data, c, bbuf) : nullptr;
 
   at::parallel_for(0, rows, row_grain(c), [&](int64_t begin, int64_t end) {
     std::vector<float> row(c), xbuf;
@@ -68,7 +70,7 @@ void norm_rows(const NormArgs& a, const Tensor& x, const Tensor* residual, const
         row_in = sp + r * c;
       }
       if constexpr (!std::is_same_v<scalar_t, double>) {
-        if (!a.rms && bias_data) {  // LayerNorm with weight and bias, as F.layer_norm rounds it
+        if (as_torch) {
           layer_norm_row_as_torch(row_in, weight_data, bias_data, yp + r * c, c, a.eps);
           continue;
         }
