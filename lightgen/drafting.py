@@ -9,10 +9,11 @@ from lightgen.generation.drafting import (
     NARDrafter,
     drafter_for,
     greedy_targets,
+    self_drafter,
     start_session,
     train_drafter,
 )
 from lightgen.generation.tokens import pad_rows
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "DrafterConfig", "NARDrafter", "drafter_for", "greedy_targets", "main",
-           "pad_rows", "start_session", "train_drafter"]
+           "pad_rows", "self_drafter", "start_session", "train_drafter"]

@@ -510,40 +510,40 @@ def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_proce
         if len(sources) != input_ids.shape[0]:
             raise ValueError(f"lightgen generate: draft_ids has {len(sources)} rows for a batch of "
                              f"{input_ids.shape[0]}")
-    if aggressive.drafter is None:
-        drafts = CopyFromInput(sources)
-    else:
-        encoder_outputs = model_kwargs.get("encoder_outputs")
-        drafts = start_session(aggressive.drafter, sources=sources, source_ids=source, source_mask=mask,
-                               max_length=generation_config.max_length, max_draft=aggressive.longest_draft,
-                               encoder_hidden=encoder_outputs[0] if encoder_outputs is not None else None,
-                               accelerate=getattr(model, ACCELERATE_ATTR),
-                               decoder_only=not model.config.is_encoder_decoder)
     eos = generation_config._eos_token_tensor
     pad = generation_config._pad_token_tensor
     # Forcing EOS at the last position picks the lowest forced id, as argmax over HF's scores does.
     forced = [int(p.eos_token_id.min()) for p in logits_processor if isinstance(p, ForcedEOSTokenLogitsProcessor)]
     # One row keeps every position to the end (finished rows leave the batch): its cache can be returned.
     cache = _hf_cache(model, generation_config, model_kwargs) if input_ids.shape[0] == 1 else None
+    encoder_outputs = model_kwargs.get("encoder_outputs")
+    if model.config.is_encoder_decoder:
+        state = decoder.start(**start, encoder_hidden=encoder_outputs[0], encoder_mask=mask)
+    else:
+        state = decoder.start(**start, prompt_mask=mask)
     try:
-        if model.config.is_encoder_decoder:
-            state = decoder.start(**start, encoder_hidden=model_kwargs["encoder_outputs"][0], encoder_mask=mask)
-        else:
-            state = decoder.start(**start, prompt_mask=mask)
         state.eager_spans = _eager_key_spans(model, None, 0, input_ids.shape[1])
+        if aggressive.drafter is None:
+            drafts = CopyFromInput(sources)
+        else:
+            drafts = start_session(aggressive.drafter, sources=sources, source_ids=source, source_mask=mask,
+                                   max_length=generation_config.max_length, max_draft=aggressive.longest_draft,
+                                   encoder_hidden=encoder_outputs[0] if encoder_outputs is not None else None,
+                                   accelerate=getattr(model, ACCELERATE_ATTR),
+                                   decoder_only=not model.config.is_encoder_decoder, verifier=model, state=state)
         try:
             sequences, gained = aggressive_greedy(
                 decoder, state, input_ids, model_kwargs.get("position_ids"), drafts,
                 set(eos.tolist()) if eos is not None else set(), int(pad) if pad is not None else 0,
                 generation_config.max_length, aggressive.max_draft, aggressive.acceptance,
                 forced[0] if forced else None, streamer)
-            if cache is not None:  # the last pass may have verified past an EOS or the length limit
-                state.cache.length = sequences.shape[1] - 1
-                hf_cache.store(state, cache, 0)
         finally:
-            state.release()
+            drafts.close()
+        if cache is not None:  # the last pass may have verified past an EOS or the length limit
+            state.cache.length = sequences.shape[1] - 1
+            hf_cache.store(state, cache, 0)
     finally:
-        drafts.close()
+        state.release()
     if streamer is not None:
         streamer.end()
     if not generation_config.return_dict_in_generate:

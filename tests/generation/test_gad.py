@@ -393,3 +393,70 @@ def test_scored_positions_get_the_logits_every_position_gets(family):
             state.release()
     assert logits["scored"].shape == (int(scored.sum()), logits["all"].shape[-1])
     assert torch.equal(logits["scored"], logits["all"][scored])
+
+
+@pytest.mark.parametrize("family", GENERATING)
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_self_drafter_drafts_on_the_verifiers_cache_and_returns_greedy(family, quantize, monkeypatch,
+                                                                        flat_pass_cost):
+    """The verifier with quantized linears drafts on the verifier's own decode state (its decoder never starts
+    one: no prompt pass, no catch-up feeds), for padded rows, with drafts cut at max_length; greedy's tokens."""
+    from lightgen.drafting import self_drafter
+    from lightgen.modules.decoder import Decoder
+
+    reference = build(family, seed=4)
+    # No EOS: untrained models often end at once, and a self-drafter has to draft whole outputs here.
+    reference.generation_config.forced_eos_token_id = reference.generation_config.eos_token_id = None
+    accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
+    ids, mask = padded_batch(family, 4, 9, seed=4)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, pad_token_id=1)
+    expected = reference.generate(**kwargs)
+    drafter = self_drafter(accelerated, quantize)
+    drafter_decoder = drafter._lightgen_decoder
+    started = []
+    original_start = Decoder.start
+    monkeypatch.setattr(Decoder, "start", lambda self, *a, **k: started.append(self) or original_start(self, *a, **k))
+    for block_size in (1, 3, 8):
+        out = accelerated.generate(**kwargs, decoding="gad", drafter=drafter, block_size=block_size,
+                                   return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+        assert drafter_decoder not in started and drafter_decoder.native_steps + len(started) > 0
+        # A 1-token block drafts one token a pass: 2 tokens when it is greedy's, which most of int8's are.
+        if block_size > 1 and quantize == "int8":
+            assert sum(int(row.sum()) for row in out.tokens_per_iteration) > 1.5 * sum(
+                len(row) for row in out.tokens_per_iteration)
+    # An EOS that one row's greedy output reaches part-way: rows leave the batch at different passes.
+    kwargs["eos_token_id"] = int(expected[0, -10])
+    expected = reference.generate(**kwargs)
+    assert (expected == kwargs["eos_token_id"]).any(-1).any()
+    assert torch.equal(accelerated.generate(**kwargs, decoding="gad", drafter=drafter, block_size=4), expected)
+
+
+@pytest.mark.parametrize("accelerate_first", [True, False])
+def test_self_drafter_shares_the_weights_and_leaves_the_verifier_as_it_was(accelerate_first):
+    from lightgen.adapters.base import patched_summary
+    from lightgen.drafting import self_drafter
+
+    reference = build("llama", seed=5)
+    model = lightgen.accelerate_model(copy.deepcopy(reference)) if accelerate_first else copy.deepcopy(reference)
+    summary = patched_summary(model)
+    ids, mask = padded_batch("llama", 3, 7, seed=5)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, pad_token_id=1)
+    drafter = self_drafter(model, "int4")
+    assert patched_summary(model) == summary
+    assert all(a is b for a, b in zip(model.parameters(), drafter.parameters(), strict=True))
+    assert drafter._lightgen_patcher.quantize == "int4"
+    expected = reference.generate(**kwargs)
+    assert torch.equal(model.generate(**kwargs), expected)
+    if accelerate_first:  # a drafter for another model of the same shape drafts on its own cache
+        other = lightgen.accelerate_model(copy.deepcopy(reference))
+        assert torch.equal(other.generate(**kwargs, decoding="gad", drafter=drafter, block_size=4), expected)
+
+
+def test_self_drafter_needs_a_compact_precision_and_a_hugging_face_model():
+    from lightgen.drafting import self_drafter
+
+    with pytest.raises(ValueError, match="compact precision"):
+        self_drafter(build("gpt2"), None)
+    with pytest.raises(TypeError, match="Hugging Face model"):
+        self_drafter(torch.nn.Linear(2, 2))

@@ -6,6 +6,7 @@ import torch
 
 from lightgen import ops
 from lightgen.generation.drafting.nar import NARDrafter
+from lightgen.generation.drafting.self_drafter import SharedCacheSession, drafts_for
 from lightgen.generation.tokens import pad_rows
 from lightgen.modules.decoder import DECODER_ATTR
 
@@ -83,12 +84,15 @@ class _AssistantSession:
 
 
 def start_session(drafter, *, sources: list[list[int]], source_ids, source_mask, max_length: int, max_draft: int,
-                  encoder_hidden=None, accelerate=None, decoder_only: bool = False):
+                  encoder_hidden=None, accelerate=None, decoder_only: bool = False, verifier=None, state=None):
     """Bind ``drafter`` (see the module docstring) to one generate call's inputs: ``source_ids`` [N, S] and
     ``source_mask`` are the encoder's input (or, ``decoder_only``, the model's left-padded prompt, which each
     output then starts with), ``sources`` the same without padding, ``encoder_hidden`` the verifier's
-    encoder output (encoder-decoder models)."""
+    encoder output (encoder-decoder models). A ``self_drafter`` of ``verifier`` drafts on its decode ``state``."""
     from transformers import PreTrainedModel
+
+    if state is not None and drafts_for(drafter, verifier):
+        return SharedCacheSession(drafter, state)
 
     if isinstance(drafter, NARDrafter):
         return drafter.start(sources, encoder_hidden, source_mask if encoder_hidden is not None else None, max_length,

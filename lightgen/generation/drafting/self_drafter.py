@@ -1,0 +1,103 @@
+"""A GAD drafter that is the verifier itself with compact linear weights (self-speculative decoding).
+
+``self_drafter(model, quantize="int4")`` returns a copy of ``model`` that shares every parameter and buffer with
+it and runs its linear layers on ``accelerate_model(quantize=...)``'s copies: it reads a fraction of the verifier's
+bytes a token (SmolLM2-135M: 112 MB at int4 against 538 MB) and agrees with it on most tokens, so a verifier pass
+checks several of its tokens at once. It drafts on the verifier's own KV cache (``SharedCacheSession``): no prompt
+pass and no catch-up feeds of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import torch
+
+from lightgen import ops
+from lightgen.modules.decoder import DECODER_ATTR
+
+# On a self-drafter: a weak reference to the model whose cache it drafts on.
+VERIFIER_ATTR = "_lightgen_drafts_for"
+
+
+def self_drafter(model, quantize: str = "int4"):
+    """A drafter for ``model.generate(..., decoding="gad", drafter=...)``: ``model`` with its linear layers in
+    ``quantize`` ("int4", "int4-dynamic", "int8", "int8-dynamic" or "bf16"), its parameters and buffers shared
+    (the extra memory is the compact copies only). ``model`` may be accelerated already or not; it is left as it
+    was. The verifier decides every token, so with ``beta=1`` the output is greedy's."""
+    from transformers import PreTrainedModel
+
+    from lightgen.adapters.base import PATCHER_ATTR, accelerate_model, restore_model
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"self_drafter: needs a Hugging Face model, got {type(model).__name__}")
+    if quantize is None:
+        raise ValueError("self_drafter: quantize must name a compact precision; a float32 copy of the verifier "
+                         "would read as many bytes as the verifier and save nothing")
+    patcher = getattr(model, PATCHER_ATTR, None)
+    if patcher is not None:  # copy the model as the user gave it, not lightgen's patches and packed copies
+        restore_model(model)
+    try:
+        shared = {id(tensor): tensor for tensor in (*model.parameters(), *model.buffers())}
+        drafter = copy.deepcopy(model, memo=shared)
+    finally:
+        if patcher is not None:
+            accelerate_model(model, quantize=patcher.quantize, pack=patcher.pack)
+    accelerate_model(drafter, quantize=quantize)
+    if not hasattr(drafter, DECODER_ATTR):
+        raise ValueError(f"self_drafter: lightgen's engine does not run {type(model).__name__}")
+    object.__setattr__(drafter, VERIFIER_ATTR, weakref.ref(model))
+    return drafter
+
+
+def drafts_for(drafter, model) -> bool:
+    """``drafter`` is ``self_drafter(model)``: it can draft on ``model``'s cache."""
+    verifier = getattr(drafter, VERIFIER_ATTR, None)
+    return verifier is not None and verifier() is model
+
+
+class SharedCacheSession:
+    """A self-drafter bound to one generate call: each draft steps its decoder on the verifier's decode state.
+
+    Between passes the verifier's cache holds every token of a row's output but the last (the aggressive loop
+    feeds it with the next draft), so a draft feeds that token and then its own guesses, one step each, and rolls
+    the positions back: the verifier's next pass writes its own keys and values over every position the drafter
+    wrote before it reads them. Its attention reads the verifier's keys and values for the earlier positions
+    (and cross-attention the verifier's encoder K/V), so it drafts with no prompt pass of its own.
+    """
+
+    def __init__(self, drafter, state) -> None:
+        self.decoder = getattr(drafter, DECODER_ATTR)
+        self.state = state
+        # The drafter's view of the state: the verifier's tensors (re-read each draft: rows that finish leave the
+        # verifier's state in new tensors), the drafter's own native plan and step graph.
+        self.view = copy.copy(state)
+        self.view.native_plan = self.view.step_graph = None
+
+    def draft(self, rows, outputs, sizes):
+        block = max(sizes)
+        if block <= 0:
+            return [[] for _ in rows]
+        view = self.view
+        own = {"native_plan": view.native_plan, "step_graph": view.step_graph}
+        view.__dict__.update(self.state.__dict__)
+        view.__dict__.update(own)
+        fed = [len(output) - 1 for output in outputs]
+        if view.lengths.tolist() != fed:
+            raise RuntimeError(f"self-drafter: the verifier's cache holds {view.lengths.tolist()} positions where "
+                               f"the outputs so far need {fed}")
+        device = view.lengths.device
+        limit = self.decoder.spec.position_limit - 1  # padding drafts past the table are rolled back anyway
+        guess = torch.tensor([output[-1] for output in outputs], device=device)
+        drafted = []
+        with torch.inference_mode():
+            for _ in range(block):
+                positions = view.next_position[:, None].clamp(max=limit)
+                guess = ops.greedy_tokens(self.decoder.step(view, guess[:, None], positions))
+                drafted.append(guess)
+            view.roll_back(torch.full_like(view.lengths, block))
+        return torch.stack(drafted, 1).tolist()
+
+    def close(self) -> None:
+        pass
