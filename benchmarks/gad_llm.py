@@ -1,4 +1,5 @@
-"""GAD where the verifier is much larger than its drafter: SmolLM2-135M-Instruct (30 layers) with a distilled drafter.
+"""GAD where the verifier is much larger than its drafter: SmolLM2-135M-Instruct (30 layers) with a distilled drafter
+and with self-drafters (the verifier's own int4 / int4-dynamic copy, ``lightgen.drafting.self_drafter``).
 
     python benchmarks/gad_llm.py --distil [--drafter /tmp/smollm2-drafter]   # build the drafter (about 45 min)
     python benchmarks/gad_llm.py [--quick] [--drafter DIR] [--out benchmarks/results]
@@ -9,10 +10,10 @@ everyday topics, in SmolLM2's chat template; the verifier's own greedy continuat
 targets, cached as JSON beside the drafter; then ``train_drafter`` on a small ``NARDrafter`` (its own encoder
 over the prompt, embeddings projected from SmolLM2's). The benchmark: on the held-out chat and rewrite
 prompts of ``benchmarks/generate.py`` (none of them in the training prompts), lightgen greedy, IAD, GAD
-(beta=1) and GAD++, batch 1 and 8, side by side in one run: ms per call, the ratio to lightgen greedy,
-tokens per decoder pass, and the share of rows identical to greedy (lightgen greedy, IAD and GAD must match
-the unpatched model's greedy: the run stops otherwise). Writes <out>/gad_llm.json and (with matplotlib)
-<out>/gad_llm.png.
+(beta=1) with each self-drafter, and, where the ``--drafter`` folder holds the distilled drafter, GAD and GAD++ with
+it, batch 1 and 8, side by side in one run: ms per call, the ratio to lightgen greedy, tokens per decoder pass,
+and the share of rows identical to greedy (lightgen greedy, IAD and every GAD must match the unpatched model's
+greedy: the run stops otherwise). Writes <out>/gad_llm.json and (with matplotlib) <out>/gad_llm.png.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 import lightgen
 from lightgen.machine import busy
-from lightgen.generation.drafting import NARDrafter, drafter_for, greedy_targets, train_drafter
+from lightgen.generation.drafting import NARDrafter, drafter_for, greedy_targets, self_drafter, train_drafter
 
 from _common import (ContentionMeter, Sampling, format_speedup, hardware_title, machine_lines, measure, start_run,
                      write_results)
@@ -127,7 +128,10 @@ class Settings(Sampling):
 FULL = Settings(samples=3, min_sample_s=0.0, max_measure_s=60.0, min_samples=3, warmup_calls=0, batch_sizes=(1, 8))
 QUICK = Settings(samples=2, min_sample_s=0.0, max_measure_s=10.0, min_samples=2, warmup_calls=0, batch_sizes=(1, 8))
 GREEDY, IAD, GAD, GAD_PLUS = "lightgen greedy", "lightgen IAD", "lightgen GAD", "lightgen GAD++"
-GREEDY_EXACT = (IAD, GAD)  # these must return greedy's tokens; GAD++ reports how often it does
+# The verifier's own compact copies as drafters, drafting on its cache.
+SELF_DRAFTERS = ("int4", "int4-dynamic")
+SELF_GAD = {precision: f"lightgen GAD, {precision} self-drafter" for precision in SELF_DRAFTERS}
+GREEDY_EXACT = (IAD, GAD, *SELF_GAD.values())  # these must return greedy's tokens; GAD++ reports how often it does
 
 
 def held_out_requests() -> dict[str, list[str]]:
@@ -136,10 +140,14 @@ def held_out_requests() -> dict[str, list[str]]:
                         for text in REWRITE_TEXTS]}
 
 
-def provider_kwargs(drafter) -> dict[str, dict]:
-    return {GREEDY: {}, IAD: dict(decoding="iad"),
-            GAD: dict(decoding="gad", drafter=drafter, block_size=BLOCK_SIZE),
-            GAD_PLUS: dict(decoding="gad", drafter=drafter, block_size=BLOCK_SIZE, **GAD_PP)}
+def provider_kwargs(drafter: NARDrafter | None, self_drafters: dict) -> dict[str, dict]:
+    chosen = {GREEDY: {}, IAD: dict(decoding="iad")}
+    chosen.update({SELF_GAD[precision]: dict(decoding="gad", drafter=model, block_size=BLOCK_SIZE)
+                   for precision, model in self_drafters.items()})
+    if drafter is not None:
+        chosen.update({GAD: dict(decoding="gad", drafter=drafter, block_size=BLOCK_SIZE),
+                       GAD_PLUS: dict(decoding="gad", drafter=drafter, block_size=BLOCK_SIZE, **GAD_PP)})
+    return chosen
 
 
 def answer(model, tokenizer, requests: list[str], batch: int, **kwargs) -> tuple[list[list[int]], float]:
@@ -185,7 +193,7 @@ def draw(plt, payload):
     ax.set_xticks(range(len(cases)), cases)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_ylabel("speed vs lightgen greedy (×, wall time)")
-    ax.set_title(f"SmolLM2-135M-Instruct, distilled NAR drafter, block {BLOCK_SIZE}"
+    ax.set_title(f"SmolLM2-135M-Instruct, GAD block {BLOCK_SIZE}"
                  + ("" if payload["quiet"] else " (machine under load)"), fontsize=9)
     ax.legend(fontsize=7)
     fig.suptitle(hardware_title(payload["environment"]), fontsize=9)
@@ -193,7 +201,8 @@ def draw(plt, payload):
 
 
 def options(parser) -> None:
-    parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER, help="the distilled drafter's folder")
+    parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER,
+                        help="the distilled drafter's folder (without one: the self-drafters only)")
     parser.add_argument("--distil", action="store_true", help="distil the drafter into --drafter instead")
     parser.add_argument("--prompts", type=int, default=1536, help="--distil: training prompts")
     parser.add_argument("--steps", type=int, default=1000, help="--distil: training steps")
@@ -213,18 +222,22 @@ def main(argv: list[str] | None = None) -> None:
     settings = QUICK if args.quick else FULL
     model, tokenizer = load_smollm2()
     accelerated = lightgen.accelerate_model(copy.deepcopy(model).eval())
-    drafter = NARDrafter.from_pretrained(args.drafter)
+    self_drafters = {precision: self_drafter(accelerated, precision) for precision in SELF_DRAFTERS}
+    distilled = (args.drafter / "drafter_config.json").is_file()
+    drafter = NARDrafter.from_pretrained(args.drafter) if distilled else None
+    if not distilled:
+        print(f"no distilled drafter in {args.drafter}: GAD with the self-drafters only", file=sys.stderr)
     meter = ContentionMeter()
     cases = {}
     for kind, requests in held_out_requests().items():
         for batch in settings.batch_sizes:
             label = f"{kind} batch {batch}"
             print(f"{label}...", file=sys.stderr, flush=True)
-            chosen = provider_kwargs(drafter)
+            chosen = provider_kwargs(drafter, self_drafters)
             results = {name: answer(accelerated, tokenizer, requests, batch, **kw) for name, kw in chosen.items()}
             greedy = results[GREEDY][0]
             hf_greedy = answer(model, tokenizer, requests, batch)[0]  # the unpatched model, untimed
-            mismatched = [name for name in (GREEDY, *GREEDY_EXACT) if results[name][0] != hf_greedy]
+            mismatched = [name for name in (GREEDY, *GREEDY_EXACT) if name in results and results[name][0] != hf_greedy]
             if mismatched:
                 sys.exit(f"{label}: {mismatched} differ from HF greedy; not timing wrong outputs")
             timings = measure({name: lambda kw=kw, b=batch, r=requests: answer(accelerated, tokenizer, r, b, **kw)
@@ -236,13 +249,16 @@ def main(argv: list[str] | None = None) -> None:
                 tokens_per_pass={name: results[name][1] for name in chosen if results[name][1] is not None},
                 identical_to_greedy={name: sum(a == b for a, b in zip(results[name][0], greedy, strict=True))
                                      / len(greedy) for name in chosen},
-                new_tokens=sum(map(len, greedy)), draft_ms=draft_ms(drafter, tokenizer, requests, batch, settings))
+                new_tokens=sum(map(len, greedy)),
+                draft_ms=draft_ms(drafter, tokenizer, requests, batch, settings) if distilled else None)
     meter.record(env)
     share = env.get("others_cpu_share")
     quiet = share is not None and not busy(share)
-    payload = dict(environment=env, quiet=quiet, drafter=str(args.drafter), drafter_config=dataclasses.asdict(
-        drafter.config), block_size=BLOCK_SIZE, gad_plus_plus=GAD_PP, new_tokens=NEW_TOKENS, cases=cases)
-    print("# GAD on SmolLM2-135M-Instruct with its distilled drafter\n")
+    payload = dict(environment=env, quiet=quiet, drafter=str(args.drafter) if distilled else None,
+                   drafter_config=dataclasses.asdict(drafter.config) if distilled else None,
+                   self_drafters=list(SELF_DRAFTERS), block_size=BLOCK_SIZE, gad_plus_plus=GAD_PP,
+                   new_tokens=NEW_TOKENS, cases=cases)
+    print("# GAD on SmolLM2-135M-Instruct with self-drafters" + (" and its distilled drafter\n" if distilled else "\n"))
     print("\n".join(machine_lines(env)) + "\n")
     print(f"GAD: block {BLOCK_SIZE}; GAD++: beta={GAD_PP['beta']}, tau={GAD_PP['tau']}; up to {NEW_TOKENS} new "
           f"tokens; 8 held-out prompts per kind.{'' if quiet else ' Timings taken under load.'}\n")
@@ -255,11 +271,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {kind} | {batch} | {name} | {ms:.0f}{' (noisy)' if row['noisy'][name] else ''} "
                   f"| {format_speedup(row['vs_greedy'][name])} | {'' if per_pass is None else f'{per_pass:.2f}'} "
                   f"| {100 * row['identical_to_greedy'][name]:.0f}% |")
-    print("\nms per greedy decoder step (about: lightgen greedy's ms per call x rows / new tokens) and per draft "
-          f"({BLOCK_SIZE} tokens after 32):")
+    print("\nms per greedy decoder step (about: lightgen greedy's ms per call x rows / new tokens)"
+          + (f" and per distilled draft ({BLOCK_SIZE} tokens after 32):" if distilled else ":"))
     for label, row in cases.items():
         step = row["median_ms"][GREEDY] * int(label.split()[-1]) / row["new_tokens"]
-        print(f"- {label}: step {step:.1f} ms, draft {row['draft_ms']:.2f} ms")
+        print(f"- {label}: step {step:.1f} ms" + (f", draft {row['draft_ms']:.2f} ms" if distilled else ""))
     write_results(args.out, "gad_llm", payload, lambda plt: draw(plt, payload))
 
 

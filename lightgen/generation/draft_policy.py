@@ -159,7 +159,13 @@ class FixedPassCost(PassCost):
 def measured_cost(decoder, drafter) -> PassCost:
     """The pass cost of ``decoder`` with drafters of ``drafter``'s type, kept on it across ``generate`` calls (on
     the decoder that fairseq's per-call scoring wrapper wraps): the drafter is part of an iteration's cost."""
-    return _kept_on(decoder).setdefault(("pass_cost", type(drafter).__qualname__), PassCost())
+    return _kept_on(decoder).setdefault(("pass_cost", _kind(drafter)), PassCost())
+
+
+def _kind(drafter) -> object:
+    """Which drafters share a cost line and an acceptance history: a session's ``kind`` where it has one (a
+    self-drafter's: its own precision drafts at its own cost), else its type."""
+    return getattr(drafter, "kind", type(drafter).__qualname__)
 
 
 def _kept_on(decoder) -> dict:
@@ -206,7 +212,7 @@ def _prior(hits: float, misses: float, prior_hits: float, prior_misses: float) -
 
 def measured_history(decoder, drafter) -> AcceptanceHistory:
     """The acceptance history of ``decoder`` with drafters of ``drafter``'s type, kept on it across calls."""
-    return _kept_on(decoder).setdefault(("acceptance", type(drafter).__qualname__), AcceptanceHistory())
+    return _kept_on(decoder).setdefault(("acceptance", _kind(drafter)), AcceptanceHistory())
 
 
 class DraftPolicy:

@@ -460,3 +460,19 @@ def test_self_drafter_needs_a_compact_precision_and_a_hugging_face_model():
         self_drafter(build("gpt2"), None)
     with pytest.raises(TypeError, match="Hugging Face model"):
         self_drafter(torch.nn.Linear(2, 2))
+
+
+def test_each_self_drafter_keeps_its_own_cost_line_and_acceptance_history():
+    """Drafts of different precisions cost and agree differently: the draft policy learns each on its own."""
+    from lightgen.drafting import self_drafter
+    from lightgen.generation.draft_policy import _kept_on
+
+    model = lightgen.accelerate_model(build("qwen2", seed=6))
+    ids, mask = padded_batch("qwen2", 2, 6, seed=6)
+    drafters = [self_drafter(model, "int8"), self_drafter(model, "int4")]
+    for drafter in drafters:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=1, decoding="gad",
+                       drafter=drafter, block_size=3)
+    kept = _kept_on(model._lightgen_decoder)
+    for what in ("pass_cost", "acceptance"):
+        assert sum(key[0] == what and key[1][0] == "self-drafter" for key in kept) == 2

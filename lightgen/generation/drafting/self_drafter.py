@@ -25,7 +25,9 @@ def self_drafter(model, quantize: str = "int4"):
     """A drafter for ``model.generate(..., decoding="gad", drafter=...)``: ``model`` with its linear layers in
     ``quantize`` ("int4", "int4-dynamic", "int8", "int8-dynamic" or "bf16"), its parameters and buffers shared
     (the extra memory is the compact copies only). ``model`` may be accelerated already or not; it is left as it
-    was. The verifier decides every token, so with ``beta=1`` the output is greedy's."""
+    was (an accelerated one is restored for the copy and accelerated again with its own settings, its packed
+    weights made anew: ~3 s on SmolLM2-135M). The verifier decides every token, so with ``beta=1`` the output is
+    greedy's."""
     from transformers import PreTrainedModel
 
     from lightgen.adapters.base import PATCHER_ATTR, accelerate_model, restore_model
@@ -70,6 +72,8 @@ class SharedCacheSession:
     def __init__(self, drafter, state) -> None:
         self.decoder = getattr(drafter, DECODER_ATTR)
         self.state = state
+        # The draft policy's cost line and acceptance history are this drafter's own (draft_policy._kind).
+        self.kind = ("self-drafter", id(self.decoder))
         # The drafter's view of the state: the verifier's tensors (re-read each draft: rows that finish leave the
         # verifier's state in new tensors), the drafter's own native plan and step graph.
         self.view = copy.copy(state)
