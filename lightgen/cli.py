@@ -123,10 +123,13 @@ def serve(args, parser) -> None:
                 if getattr(args, name) is not None and getattr(args, name) <= 0]
     if args.max_replicas is not None and args.max_replicas < args.num_replicas:
         problems.append("--max-replicas must be at least --num-replicas")
+    if args.self_drafter is not None and (args.drafter is not None or args.no_accelerate):
+        problems.append("--self-drafter takes neither --drafter nor --no-accelerate")
     if problems:  # all of them at once
         parser.error("; ".join(problems))
     options = ServeOptions(
-        model_dir=args.model_dir, drafter_dir=args.drafter, fairseq_data=args.fairseq_data,
+        model_dir=args.model_dir, drafter_dir=args.drafter, self_drafter=args.self_drafter,
+        fairseq_data=args.fairseq_data,
         accelerate=not args.no_accelerate, threads=args.threads, host=args.host,
         port=args.port, max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
         max_input_tokens=args.max_input_tokens, max_new_tokens=args.max_new_tokens, max_body_bytes=args.max_body_bytes,
@@ -173,6 +176,10 @@ def main(argv=None) -> None:
                               "(dict.*.txt; default: the checkpoint's folder)")
     serve_parser.add_argument("--drafter", metavar="DIR", help="a lightgen NARDrafter folder trained for the model: "
                               "serves decoding='gad' (the demo model has its own)")
+    serve_parser.add_argument("--self-drafter", metavar="PRECISION",
+                              choices=["int4", "int4-dynamic", "int8", "int8-dynamic", "bf16"],
+                              help="serves decoding='gad' with the model's own copy in this precision drafting on "
+                              "its cache (Hugging Face models; no training)")
     serve_parser.add_argument("--backend", choices=["triton", "ray"], default="triton")
     serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     serve_parser.add_argument("--port", type=int, default=8000, help="HTTP port")

@@ -22,6 +22,7 @@ class ServeOptions:
 
     model_dir: str | None = None  # a save_pretrained folder or a fairseq checkpoint (.pt); None: the demo model
     drafter_dir: str | None = None  # a NARDrafter folder for decoding="gad"; the demo model has its own
+    self_drafter: str | None = None  # or a precision ("int4"...): GAD drafts with the model's own compact copy
     fairseq_data: str | None = None  # a fairseq checkpoint's dictionaries (dict.*.txt); default: its folder
     accelerate: bool = True  # False: plain HF generate behind the same server (for comparisons)
     threads: int | None = None  # torch threads per model instance
@@ -50,7 +51,8 @@ class ServeOptions:
 
     def load_generator(self) -> Generator:
         return Generator.load(self.model_dir, accelerate=self.accelerate, threads=self.threads,
-                              drafter_dir=self.drafter_dir, fairseq_data=self.fairseq_data, **self.limits())
+                              drafter_dir=self.drafter_dir, self_drafter=self.self_drafter,
+                              fairseq_data=self.fairseq_data, **self.limits())
 
 
 def backend(name: str):

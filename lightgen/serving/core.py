@@ -140,7 +140,8 @@ def parse_settings(request: dict, limits: Limits, accelerated: bool, has_drafter
         if not accelerated:
             errors.append(f"decoding={decoding!r} needs lightgen's engine; this server runs plain HF generate")
         if decoding == "gad" and not has_drafter:
-            errors.append("decoding='gad' needs a drafter; this server has none (lightgen serve --drafter DIR)")
+            errors.append("decoding='gad' needs a drafter; this server has none (lightgen serve --drafter DIR or "
+                          "--self-drafter int4)")
         if num_beams not in (None, 1) or do_sample is True:
             errors.append(f"decoding={decoding!r} is greedy decoding: num_beams=1 and do_sample=false")
     elif decoding == "auto" and get("max_draft") is not None:
@@ -200,26 +201,34 @@ class Generator:
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, *, accelerate: bool = True, threads: int | None = None,
-             drafter_dir: str | Path | None = None, fairseq_data: str | Path | None = None, **limits) -> Generator:
+             drafter_dir: str | Path | None = None, self_drafter: str | None = None,
+             fairseq_data: str | Path | None = None, **limits) -> Generator:
         """A saved HF model folder (``save_pretrained``; its tokenizer too, if saved there), a fairseq
         checkpoint file (``.pt``; its dictionaries in ``fairseq_data``, default its folder), or the shipped
         demo model when ``model_dir`` is None; ``drafter_dir``: a ``NARDrafter`` folder for GAD requests
-        (the demo model's shipped drafter by default)."""
+        (the demo model's shipped drafter by default), or ``self_drafter``: a precision ("int4", ...) in which
+        the accelerated HF model's own copy drafts (``lightgen.drafting.self_drafter``)."""
+        if self_drafter is not None and (drafter_dir is not None or not accelerate):
+            raise ValueError("a self-drafter is the accelerated model's own copy: it takes no drafter folder and "
+                             "needs acceleration")
         if threads:
             torch.set_num_threads(threads)
         if model_dir is not None and Path(model_dir).suffix == ".pt":
+            if self_drafter is not None:
+                raise ValueError("a self-drafter needs a Hugging Face model; fairseq checkpoints take a drafter "
+                                 "folder")
             from lightgen.serving.fairseq_model import load_fairseq_checkpoint
 
             model, tokenizer = load_fairseq_checkpoint(Path(model_dir), fairseq_data, accelerate)
             generator = cls(model, tokenizer, accelerated=accelerate, drafter=drafter_dir and str(drafter_dir))
         else:
-            generator = cls._load_hf(model_dir, accelerate, drafter_dir)
+            generator = cls._load_hf(model_dir, accelerate, drafter_dir, self_drafter)
         if limits:
             generator.limits = dataclasses.replace(generator.limits, **limits)
         return generator
 
     @classmethod
-    def _load_hf(cls, model_dir, accelerate: bool, drafter_dir) -> Generator:
+    def _load_hf(cls, model_dir, accelerate: bool, drafter_dir, self_drafter: str | None) -> Generator:
         if model_dir is None:
             from lightgen.demo import load_demo_model
 
@@ -233,7 +242,11 @@ class Generator:
 
             lightgen.accelerate_model(model)
         drafter = None
-        if drafter_dir is not None or model_dir is None:
+        if self_drafter is not None:
+            from lightgen.generation.drafting import self_drafter as make_self_drafter
+
+            drafter = make_self_drafter(model, self_drafter)
+        elif drafter_dir is not None or model_dir is None:
             from lightgen.demo import DRAFTER_DIR
             from lightgen.generation.drafting import NARDrafter
 

@@ -211,7 +211,23 @@ def test_plain_hf_server_refuses_iad_and_gad(demo):
 def test_a_server_without_a_drafter_refuses_gad(demo):
     _, accelerated, tokenizer = demo
     answer, = Generator(accelerated, tokenizer, accelerated=True).generate([{"text": "ok", "decoding": "gad"}])
-    assert answer == {"error": "decoding='gad' needs a drafter; this server has none (lightgen serve --drafter DIR)"}
+    assert answer == {"error": "decoding='gad' needs a drafter; this server has none (lightgen serve --drafter DIR or "
+                               "--self-drafter int4)"}
+
+
+def test_a_server_with_a_self_drafter_answers_gad_with_greedys_tokens(demo):
+    """``lightgen serve --self-drafter int4``: the loaded model's own int4 copy drafts GAD requests."""
+    from lightgen.demo import MODEL_DIR
+
+    reference, _, tokenizer = demo
+    generator = Generator.load(MODEL_DIR, self_drafter="int4", max_new_tokens=60)
+    assert generator.drafter._lightgen_patcher.quantize == "int4"
+    sentences = EXAMPLES[:3]
+    answers = generator.generate([{"text": text, "decoding": "gad", "max_draft": 6} for text in sentences])
+    assert [a["output_ids"] for a in answers] == [_direct(reference, tokenizer, text) for text in sentences]
+    for wrong in (dict(drafter_dir=MODEL_DIR), dict(accelerate=False)):
+        with pytest.raises(ValueError, match="self-drafter"):
+            Generator.load(MODEL_DIR, self_drafter="int4", **wrong)
 
 
 def test_gad_plus_plus_requests_keep_near_best_tokens(generator):
@@ -246,7 +262,8 @@ def test_serve_command_checks_its_options(capsys):
                           (["--max-batch-size", "0"], "--max-batch-size must be positive"),
                           (["--max-body-bytes", "0", "--drain-timeout", "-1"],  # all at once
                            "--max-body-bytes must be positive; --drain-timeout must be positive"),
-                          (["--backend", "ray", "--export-repository", "x"], "--export-repository is for --backend")]:
+                          (["--backend", "ray", "--export-repository", "x"], "--export-repository is for --backend"),
+                          (["--self-drafter", "int4", "--no-accelerate"], "--self-drafter takes neither")]:
         with pytest.raises(SystemExit):
             main(["serve"] + argv)
         assert message in capsys.readouterr().err
