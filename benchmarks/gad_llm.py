@@ -31,7 +31,8 @@ import torch
 
 import lightgen
 from lightgen.machine import busy
-from lightgen.generation.drafting import NARDrafter, drafter_for, greedy_targets, self_drafter, train_drafter
+from lightgen.adapters.self_drafter import self_drafter
+from lightgen.generation.drafting import NARDrafter, drafter_for, greedy_targets, train_drafter
 
 from _common import (ContentionMeter, Sampling, format_speedup, hardware_title, machine_lines, measure, start_run,
                      write_results)

@@ -1,6 +1,8 @@
 """Old import path of the GAD drafters: they live in ``lightgen.generation.drafting`` (the model, its
-sessions, the training recipe) and ``lightgen.drafter_cli`` (``lightgen train-drafter``)."""
+sessions, the training recipe), ``lightgen.adapters.self_drafter`` (the verifier's own compact copy as drafter) and
+``lightgen.drafter_cli`` (``lightgen train-drafter``)."""
 
+from lightgen.adapters.self_drafter import self_drafter
 from lightgen.drafter_cli import main
 from lightgen.generation.drafting import (
     CONFIG_NAME,
@@ -9,7 +11,6 @@ from lightgen.generation.drafting import (
     NARDrafter,
     drafter_for,
     greedy_targets,
-    self_drafter,
     start_session,
     train_drafter,
 )

@@ -243,7 +243,7 @@ class Generator:
             lightgen.accelerate_model(model)
         drafter = None
         if self_drafter is not None:
-            from lightgen.generation.drafting import self_drafter as make_self_drafter
+            from lightgen.adapters.self_drafter import self_drafter as make_self_drafter
 
             drafter = make_self_drafter(model, self_drafter)
         elif drafter_dir is not None or model_dir is None:

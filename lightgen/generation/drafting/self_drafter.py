@@ -1,16 +1,14 @@
-"""A GAD drafter that is the verifier itself with compact linear weights (self-speculative decoding).
+"""Drafting with the verifier itself on compact linear weights (self-speculative decoding): the session that binds
+such a drafter (``lightgen.adapters.self_drafter.self_drafter`` makes it) to the verifier's own KV cache.
 
-``self_drafter(model, quantize="int4")`` returns a copy of ``model`` that shares every parameter and buffer with
-it and runs its linear layers on ``accelerate_model(quantize=...)``'s copies: it reads a fraction of the verifier's
-bytes a token (SmolLM2-135M: 112 MB at int4 against 538 MB) and agrees with it on most tokens, so a verifier pass
-checks several of its tokens at once. It drafts on the verifier's own KV cache (``SharedCacheSession``): no prompt
-pass and no catch-up feeds of its own.
+The drafter reads a fraction of the verifier's bytes a token (SmolLM2-135M: 112 MB at int4 against 538 MB) and
+agrees with it on most tokens, so a verifier pass checks several of its tokens at once; on the verifier's cache it
+needs no prompt pass and no catch-up feeds of its own.
 """
 
 from __future__ import annotations
 
 import copy
-import weakref
 
 import torch
 
@@ -19,38 +17,6 @@ from lightgen.modules.decoder import DECODER_ATTR
 
 # On a self-drafter: a weak reference to the model whose cache it drafts on.
 VERIFIER_ATTR = "_lightgen_drafts_for"
-
-
-def self_drafter(model, quantize: str = "int4"):
-    """A drafter for ``model.generate(..., decoding="gad", drafter=...)``: ``model`` with its linear layers in
-    ``quantize`` ("int4", "int4-dynamic", "int8", "int8-dynamic" or "bf16"), its parameters and buffers shared
-    (the extra memory is the compact copies only). ``model`` may be accelerated already or not; it is left as it
-    was (an accelerated one is restored for the copy and accelerated again with its own settings, its packed
-    weights made anew: ~3 s on SmolLM2-135M). The verifier decides every token, so with ``beta=1`` the output is
-    greedy's."""
-    from transformers import PreTrainedModel
-
-    from lightgen.adapters.base import PATCHER_ATTR, accelerate_model, restore_model
-
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"self_drafter: needs a Hugging Face model, got {type(model).__name__}")
-    if quantize is None:
-        raise ValueError("self_drafter: quantize must name a compact precision; a float32 copy of the verifier "
-                         "would read as many bytes as the verifier and save nothing")
-    patcher = getattr(model, PATCHER_ATTR, None)
-    if patcher is not None:  # copy the model as the user gave it, not lightgen's patches and packed copies
-        restore_model(model)
-    try:
-        shared = {id(tensor): tensor for tensor in (*model.parameters(), *model.buffers())}
-        drafter = copy.deepcopy(model, memo=shared)
-    finally:
-        if patcher is not None:
-            accelerate_model(model, quantize=patcher.quantize, pack=patcher.pack)
-    accelerate_model(drafter, quantize=quantize)
-    if not hasattr(drafter, DECODER_ATTR):
-        raise ValueError(f"self_drafter: lightgen's engine does not run {type(model).__name__}")
-    object.__setattr__(drafter, VERIFIER_ATTR, weakref.ref(model))
-    return drafter
 
 
 def drafts_for(drafter, model) -> bool:
