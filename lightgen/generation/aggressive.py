@@ -333,8 +333,11 @@ def _draft_and_verify(decoder, state, drafter, policy: DraftPolicy, sizes, seque
     lightgen's decoder skips their LM head) and the drafts [rows, K] (-1 after each row's draft), on the host. The
     pass's time goes to the policy's cost line."""
     row_lengths = lengths[live]
-    drafts = _within_vocabulary(_draft(drafter, live, sequences, row_lengths, sizes),
-                                decoder.spec.token_embedding.shape[0])
+    drafting_started = time.perf_counter()
+    drafts = _draft(drafter, live, sequences, row_lengths, sizes)
+    if getattr(drafter, "steps_per_token", False):
+        policy.drafted(int(sizes.max()), time.perf_counter() - drafting_started)
+    drafts = _within_vocabulary(drafts, decoder.spec.token_embedding.shape[0])
     draft_lengths = (drafts >= 0).sum(-1)
     drafts = drafts[:, :policy.width(draft_lengths)]
     width = drafts.shape[1]

@@ -14,7 +14,8 @@ drafts at most the tokens whose expected acceptance ``p^i`` is worth a place, an
 with ``a`` the row's chance that its drafter finds a draft at all (a copy drafter needs an anchor),
 with ``cost`` the decoder's own time, a line through positions, and ``o_K`` what an iteration costs around it:
 drafting and a drafting pass's bookkeeping for ``K > 0``, a plain greedy step's for ``K = 0`` (``PassCost``, measured
-on this decoder with drafters of this kind). GAD's drafter on the demo model costs about as much as a pass, a price
+on this decoder with drafters of this kind); a drafter that steps once a token (an assistant model, a self-drafter)
+adds ``K`` of its steps instead of a drafting price per pass. GAD's drafter on the demo model costs about as much as a pass, a price
 no draft width spreads thin, and ``K = 0`` saves it. When ``K = 0`` wins the loop runs plain greedy steps; a
 one-token probe after enough of them to keep probing within ``PROBE_SHARE`` of their time (the count kept across
 calls) lets rows whose drafts start to pay draft again. The tokens are greedy's whatever the policy decides: it
@@ -74,6 +75,9 @@ class PassCost:
         # Seconds between one pass's end and the next one's start (drafting iterations, greedy steps) against the
         # rows decoding: a drafter's time grows with them (the demo drafter: ~2 ms at 1 row, ~5 at 8).
         self._around: dict[bool, PassCost] = {}
+        # Seconds a step of a drafter that steps once a drafted token (an assistant model, a self-drafter) takes,
+        # against the rows decoding: its drafting is priced per token asked (``drafting_step``), not per pass.
+        self._steps: PassCost | None = None
 
     def observe(self, positions: int, seconds: float) -> None:
         times = self._times.pop(positions, None) or collections.deque(maxlen=self._window)
@@ -95,6 +99,14 @@ class PassCost:
         """Seconds an iteration over ``rows`` costs outside the decoder's pass (0 before any was seen)."""
         line = self._around.get(drafting)
         return float(line(rows)) if line is not None and line.seen() else 0.0
+
+    def observe_drafting(self, rows: int, steps: int, seconds: float) -> None:
+        self._steps = self._steps or PassCost(self._window, self._counts)
+        self._steps.observe(rows, seconds / steps)
+
+    def drafting_step(self, rows: int) -> float:
+        """Seconds a drafter that steps once a token takes per token asked over ``rows`` (0: none seen)."""
+        return float(self._steps(rows)) if self._steps is not None and self._steps.seen() else 0.0
 
     def seen(self) -> bool:
         """Whether some count is in the line (timed twice)."""
@@ -147,6 +159,9 @@ class FixedPassCost(PassCost):
         pass
 
     def observe_around(self, drafting: bool, rows: int, seconds: float) -> None:
+        pass
+
+    def observe_drafting(self, rows: int, steps: int, seconds: float) -> None:
         pass
 
     def around(self, drafting: bool, rows: int) -> float:
@@ -237,6 +252,7 @@ class DraftPolicy:
         self._asked = np.zeros(rows, dtype=np.int64)  # the draft lengths the last plan asked for
         self._found = np.zeros(rows, dtype=bool)  # the rows whose asks found a draft (set by ``width``)
         self._last_end: float | None = None  # when the last timed pass ended
+        self._drafting_seconds = 0.0  # the last draft's time where it is priced per token (``drafted``)
 
     def acceptance(self) -> np.ndarray:
         """[rows] float64: the estimated chance that a row's next draft token is accepted."""
@@ -292,7 +308,7 @@ class DraftPolicy:
         """Greedy steps between probes: enough that a probe's extra cost is PROBE_SHARE of theirs."""
         rows = self._sizes.shape[0]
         greedy = float(self.cost(rows)) + self.cost.around(False, rows)
-        probe = float(self.cost(2 * rows)) + self.cost.around(True, rows)
+        probe = float(self.cost(2 * rows)) + self.cost.around(True, rows) + self.cost.drafting_step(rows)
         if not self.cost.fitted() or greedy <= 0:
             return FIRST_PROBE_WAIT
         return int(min(max(math.ceil((probe - greedy) / (PROBE_SHARE * greedy)), FIRST_PROBE_WAIT),
@@ -323,6 +339,7 @@ class DraftPolicy:
         seconds = self.cost(rows * (1 + np.arange(longest + 1))) + drafting
         if not drafted:
             seconds[0] += self.cost.around(False, rows) - drafting
+            seconds[1:] += self.cost.drafting_step(rows) * places  # K tokens asked: K steps of such a drafter
         rate = (np.concatenate([[0.0], expected.sum(0).cumsum()]) + rows) / seconds  # K = 0..longest
         # The widest K within RATE_TOLERANCE of the best: flat costs (no evidence yet) keep drafts whole, and where
         # the text is copied, acceptance runs longer than the geometric p^i expects, so near-ties go to the longer.
@@ -356,6 +373,13 @@ class DraftPolicy:
         self.accepted, self.rejected, self._sizes = self.accepted[slots], self.rejected[slots], self._sizes[slots]
         self.found, self.missed, self._asked = self.found[slots], self.missed[slots], self._asked[slots]
 
+    def drafted(self, steps: int, seconds: float) -> None:
+        """A drafter that steps once a token (``steps_per_token``) took ``seconds`` for ``steps`` steps: that time is
+        priced per token asked, apart from the time around the pass."""
+        if steps > 0:
+            self.cost.observe_drafting(self.accepted.shape[0], steps, seconds)
+        self._drafting_seconds = seconds
+
     def timed(self, positions: int, started: float, ended: float) -> None:
         """A decoder pass over ``positions`` ran from ``started`` to ``ended`` (``time.perf_counter``), after the
         last plan: its time goes to the line, the time since the previous pass ended (drafting, acceptance,
@@ -364,8 +388,9 @@ class DraftPolicy:
         pass, ~0.3 ms of it Python around it) looked dearer per position than it is, and IAD drafted 4.9-5.2
         tokens a pass instead of 6.15 (slower)."""
         if self._last_end is not None:
-            self.cost.observe_around(self.drafting, self.accepted.shape[0], started - self._last_end)
-        self._last_end = ended
+            around = started - self._last_end - self._drafting_seconds
+            self.cost.observe_around(self.drafting, self.accepted.shape[0], around)
+        self._last_end, self._drafting_seconds = ended, 0.0
         self.cost.observe(positions, ended - started)
         if not self.drafting:
             self.history.greedy_steps += 1

@@ -438,3 +438,42 @@ def test_indexed_anchors_and_tensor_drafts_match_scanning():
         assert array.shape == (len(rows), max(sizes))
         assert [[t for t in row if t >= 0] for row in array.tolist()] == lists
         assert all(set(row[len(draft):]) <= {-1} for row, draft in zip(array.tolist(), lists))
+
+
+def test_a_drafter_that_steps_once_a_token_is_priced_per_token():
+    """A self-drafter's draft of K tokens costs K of its steps: at a middling acceptance short drafts pay where the
+    same drafting charged per pass (the price of a whole block) makes greedy steps win."""
+    def policy(per_token: bool) -> DraftPolicy:
+        cost = PassCost()
+        for _ in range(2):
+            for positions in (1, 9):
+                cost.observe(positions, 0.020)  # a memory-bound verifier: any width costs a step
+            cost.observe_around(False, 1, 0.0)
+            if per_token:
+                cost.observe_around(True, 1, 0.001)
+                cost.observe_drafting(1, 8, 8 * 0.005)
+            else:
+                cost.observe_around(True, 1, 0.001 + 8 * 0.005)
+        made = DraftPolicy(1, cost)
+        made.accepted[:], made.rejected[:] = 60.0, 40.0  # p ~ 0.6
+        return made
+
+    per_token = policy(per_token=True)
+    assert per_token.cost.drafting_step(1) == pytest.approx(0.005)
+    asked = per_token.plan(np.array([8]))
+    assert per_token.drafting and 1 <= int(asked[0]) <= 4
+    per_pass = policy(per_token=False)
+    per_pass.plan(np.array([8]))
+    assert not per_pass.drafting
+
+
+def test_the_drafting_time_priced_per_token_stays_out_of_the_time_around_a_pass():
+    made = DraftPolicy(2, PassCost())
+    made.plan(np.array([4, 4]))
+    made.timed(10, 0.0, 1.0)
+    made.drafted(4, 0.5)
+    made.timed(10, 1.6, 2.0)  # 0.6 s since the last pass: 0.5 drafting, 0.1 around
+    made.drafted(4, 0.3)
+    made.timed(10, 2.5, 3.0)
+    assert made.cost.around(made.drafting, 2) == pytest.approx(0.1)
+    assert made.cost.drafting_step(2) == pytest.approx(0.3 / 4)

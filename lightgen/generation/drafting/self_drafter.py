@@ -40,6 +40,7 @@ class SharedCacheSession:
         self.state = state
         # The draft policy's cost line and acceptance history are this drafter's own (draft_policy._kind).
         self.kind = ("self-drafter", id(self.decoder))
+        self.steps_per_token = True  # a draft of K tokens is K decoder steps: the policy prices it per token
         # The drafter's view of the state: the verifier's tensors (re-read each draft: rows that finish leave the
         # verifier's state in new tensors), the drafter's own native plan and step graph.
         self.view = copy.copy(state)

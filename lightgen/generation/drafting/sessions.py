@@ -33,6 +33,7 @@ class _AssistantSession:
 
     def __init__(self, assistant, source_ids, source_mask, max_length: int, max_draft: int) -> None:
         self.decoder = getattr(assistant, DECODER_ATTR)
+        self.steps_per_token = True  # a draft of K tokens is about K decoder steps: the policy prices it per token
         embedding = self.decoder.spec.token_embedding
         rows = source_ids.shape[0]
         # Room for the output, the widest catch-up feed (a whole accepted block) and the draft itself.
