@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 import lightgen
-from lightgen.machine import busy
 from lightgen.adapters.self_drafter import self_drafter
 from lightgen.generation.drafting import NARDrafter, drafter_for, greedy_targets, train_drafter
+from lightgen.machine import busy
 
 from _common import (ContentionMeter, Sampling, format_speedup, hardware_title, machine_lines, measure, start_run,
                      write_results)
@@ -224,9 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load_smollm2()
     accelerated = lightgen.accelerate_model(copy.deepcopy(model).eval())
     self_drafters = {precision: self_drafter(accelerated, precision) for precision in SELF_DRAFTERS}
-    distilled = (args.drafter / "drafter_config.json").is_file()
-    drafter = NARDrafter.from_pretrained(args.drafter) if distilled else None
-    if not distilled:
+    drafter = NARDrafter.from_pretrained(args.drafter) if (args.drafter / "drafter_config.json").is_file() else None
+    if drafter is None:
         print(f"no distilled drafter in {args.drafter}: GAD with the self-drafters only", file=sys.stderr)
     meter = ContentionMeter()
     cases = {}
@@ -251,15 +250,16 @@ def main(argv: list[str] | None = None) -> None:
                 identical_to_greedy={name: sum(a == b for a, b in zip(results[name][0], greedy, strict=True))
                                      / len(greedy) for name in chosen},
                 new_tokens=sum(map(len, greedy)),
-                draft_ms=draft_ms(drafter, tokenizer, requests, batch, settings) if distilled else None)
+                draft_ms=draft_ms(drafter, tokenizer, requests, batch, settings) if drafter is not None else None)
     meter.record(env)
     share = env.get("others_cpu_share")
     quiet = share is not None and not busy(share)
-    payload = dict(environment=env, quiet=quiet, drafter=str(args.drafter) if distilled else None,
-                   drafter_config=dataclasses.asdict(drafter.config) if distilled else None,
+    payload = dict(environment=env, quiet=quiet, drafter=str(args.drafter) if drafter is not None else None,
+                   drafter_config=dataclasses.asdict(drafter.config) if drafter is not None else None,
                    self_drafters=list(SELF_DRAFTERS), block_size=BLOCK_SIZE, gad_plus_plus=GAD_PP,
                    new_tokens=NEW_TOKENS, cases=cases)
-    print("# GAD on SmolLM2-135M-Instruct with self-drafters" + (" and its distilled drafter\n" if distilled else "\n"))
+    print("# GAD on SmolLM2-135M-Instruct with self-drafters"
+          + (" and its distilled drafter\n" if drafter is not None else "\n"))
     print("\n".join(machine_lines(env)) + "\n")
     print(f"GAD: block {BLOCK_SIZE}; GAD++: beta={GAD_PP['beta']}, tau={GAD_PP['tau']}; up to {NEW_TOKENS} new "
           f"tokens; 8 held-out prompts per kind.{'' if quiet else ' Timings taken under load.'}\n")
@@ -273,10 +273,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"| {format_speedup(row['vs_greedy'][name])} | {'' if per_pass is None else f'{per_pass:.2f}'} "
                   f"| {100 * row['identical_to_greedy'][name]:.0f}% |")
     print("\nms per greedy decoder step (about: lightgen greedy's ms per call x rows / new tokens)"
-          + (f" and per distilled draft ({BLOCK_SIZE} tokens after 32):" if distilled else ":"))
+          + (f" and per distilled draft ({BLOCK_SIZE} tokens after 32):" if drafter is not None else ":"))
     for label, row in cases.items():
         step = row["median_ms"][GREEDY] * int(label.split()[-1]) / row["new_tokens"]
-        print(f"- {label}: step {step:.1f} ms" + (f", draft {row['draft_ms']:.2f} ms" if distilled else ""))
+        print(f"- {label}: step {step:.1f} ms" + (f", draft {row['draft_ms']:.2f} ms" if drafter is not None else ""))
     write_results(args.out, "gad_llm", payload, lambda plt: draw(plt, payload))
 
 

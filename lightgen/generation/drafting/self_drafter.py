@@ -51,15 +51,14 @@ class SharedCacheSession:
         if block <= 0:
             return [[] for _ in rows]
         view = self.view
-        own = {"native_plan": view.native_plan, "step_graph": view.step_graph}
-        view.__dict__.update(self.state.__dict__)
-        view.__dict__.update(own)
+        view.__dict__.update(self.state.__dict__, native_plan=view.native_plan, step_graph=view.step_graph)
         fed = [len(output) - 1 for output in outputs]
         if view.lengths.tolist() != fed:
             raise RuntimeError(f"self-drafter: the verifier's cache holds {view.lengths.tolist()} positions where "
                                f"the outputs so far need {fed}")
         device = view.lengths.device
-        limit = self.decoder.spec.position_limit - 1  # padding drafts past the table are rolled back anyway
+        # Drafts of rows near max_length may run into the spare positions past the table: rolled back anyway.
+        limit = self.decoder.spec.position_limit - 1
         guess = torch.tensor([output[-1] for output in outputs], device=device)
         drafted = []
         with torch.inference_mode():
