@@ -17,8 +17,8 @@ drafting and a drafting pass's bookkeeping for ``K > 0``, a plain greedy step's 
 on this decoder with drafters of this kind); a drafter that steps once a token (an assistant model, a self-drafter)
 adds ``K`` of its steps instead of a drafting price per pass. GAD's drafter on the demo model costs about as much as
 a pass, a price no draft width spreads thin, and ``K = 0`` saves it. When ``K = 0`` wins the loop runs plain greedy
-steps; a one-token probe after enough of them to keep probing within ``PROBE_SHARE`` of their time (the count kept across
-calls) lets rows whose drafts start to pay draft again. The tokens are greedy's whatever the policy decides: it
+steps; a one-token probe after enough of them to keep probing within ``PROBE_SHARE`` of their time (the count kept
+across calls) lets rows whose drafts start to pay draft again. The tokens are greedy's whatever the policy decides: it
 only changes how many are verified per pass.
 """
 
