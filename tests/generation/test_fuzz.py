@@ -769,7 +769,7 @@ def test_near_tie_order_needs_hfs_scores_to_tie():
 # where HF's own fp32 logits are 1.2e-4 from its fp64 ones. A Mistral whose step 9 of one sampled row is
 # ill-conditioned where the prompt is not (1 of 1990): lightgen 5e-4 from HF there, HF itself 3.4e-4 from fp64. A
 # Qwen2 whose fp32 logits happen to sit 5e-5 from fp64 where half an ulp on the weights moves them 4e-4 to 1.6e-3
-# (1 of 12783): lightgen's RMSNorm, one ulp from HF's, 3.7e-4.
+# (1 of 12783): lightgen's RMSNorm, then one ulp from HF's, 3.7e-4.
 @pytest.mark.parametrize("seed", [73107579800768, 78586318401832, 54390103503172])
 def test_fuzz_scores_within_hfs_own_rounding(seed):
     run_case(seed)

@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import TOLERANCES
 
 from lightgen import ops
@@ -34,21 +35,39 @@ def test_add_layer_norm_returns_sum_and_norm(shape, dtype):
     torch.testing.assert_close(normed, ref_normed, **TOLERANCES[dtype])
 
 
-@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("width", [8, 33, 48, 576, 1000, 1024])
-def test_layer_norm_is_torchs_bit_for_bit(half, width):
-    """LayerNorm with weight and bias rounds as F.layer_norm (HF's) does: ATen's moments over 256-bit vectors and
-    its epilogues; fp16 / bf16 at any width, float32 where the width is a multiple of 8 (a remainder's scalar
-    moments round where torch's compiler fused otherwise)."""
-    x, residual, weight, bias = _inputs((500, width), half, seed=width)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("width", [1, 7, 8, 33, 36, 48, 576, 1000, 1024])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_layer_norm_is_torchs_bit_for_bit(dtype, width, with_bias):
+    """LayerNorm rounds as F.layer_norm (HF's) does at every width and dtype, with or without a bias: ATen's moments
+    over 256-bit vectors and its epilogues, or torch's own kernel where no row kernel rounds as it does."""
+    x, residual, weight, bias = _inputs((500, width), dtype, seed=width)
+    bias = bias if with_bias else None
     _, normed = ops.add_layer_norm(x, residual, weight, bias, 1e-5)
-    pairs = [(ops.layer_norm(x, weight, bias, 1e-5), torch.nn.functional.layer_norm(x, (width,), weight, bias, 1e-5)),
-             (normed, torch.nn.functional.layer_norm(x + residual, (width,), weight, bias, 1e-5))]
-    for got, expected in pairs:
-        if half is torch.float32 and width % 8:
-            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-        else:
-            assert torch.equal(got, expected)
+    assert torch.equal(ops.layer_norm(x, weight, bias, 1e-5), F.layer_norm(x, (width,), weight, bias, 1e-5))
+    assert torch.equal(normed, F.layer_norm(x + residual, (width,), weight, bias, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("width", [1, 3, 8, 15, 36, 64, 100, 576, 2048, 4100, 40000])
+def test_rms_norm_is_hfs_composite_bit_for_bit(dtype, width):
+    """RMSNorm's variance adds the squares in the order torch's CPU sum does (four vectors of 8 in turn, a cascade
+    every 16 of them, the tail, then the lanes), so rows of every width are HF's composite bit for bit, batched or
+    one at a time."""
+    rows = max(1, 20_000 // width)
+    x, residual, weight, _ = _inputs((rows, width), dtype, seed=width)
+    expected = ops.rms_norm_ref(x, weight, 1e-6)
+    assert torch.equal(ops.rms_norm(x, weight, 1e-6), expected)
+    assert torch.equal(ops.rms_norm(x[:1], weight, 1e-6), expected[:1])
+    assert torch.equal(ops.add_rms_norm(x, residual, weight, 1e-6)[1], ops.add_rms_norm_ref(x, residual, weight, 1e-6)[1])
+
+
+def test_double_norms_take_torchs_composite():
+    x, residual, weight, bias = _inputs((4, 36), torch.float64)
+    assert torch.equal(ops.layer_norm(x, weight, bias, 1e-5), F.layer_norm(x, (36,), weight, bias, 1e-5))
+    assert torch.equal(ops.rms_norm(x, weight, 1e-6), ops.rms_norm_ref(x, weight, 1e-6))
+    total, normed = ops.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(total, x + residual) and torch.equal(normed, ops.rms_norm_ref(x + residual, weight, 1e-6))
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -4,6 +4,8 @@
 #include "../include/cpu_ops.h"
 #include "../include/layer_norm_rows.h"
 #include "../include/vec_math.h"
+#include <ATen/native/cpu/utils.h>
+#include <algorithm>
 
 namespace lightgen {
 namespace {
@@ -13,7 +15,7 @@ using at::Tensor;
 struct NormArgs {
   const char* op;
   bool rms;
-  float eps;
+  double eps;  // the model's; float rows add it as a float, as torch does
 };
 
 void check_norm_inputs(const NormArgs& a, const Tensor& x, const Tensor* residual_opt, const Tensor& weight,
@@ -40,7 +42,51 @@ void check_norm_inputs(const NormArgs& a, const Tensor& x, const Tensor* residua
   }
 }
 
-// sum_out (optional) <- x + residual; y <- norm(x [+ residual]) * weight [+ bias].
+// torch's CPU sum of a contiguous float row (SumKernel.cpp's cascade_sum): vectors of 8 floats (its 256-bit build
+// runs there even where the CPU capability is AVX-512: 16 lanes matched ~40% of rows, 8 all of them) taken four at
+// a time into four accumulators, each a cascade of four levels that carries every 2^p vectors up one level; then
+// the leftover vectors into the first, the others into it in turn; the scalar tail from zero, then the first's
+// lanes in order. A row shorter than one vector is the same with one-float "vectors". Only adds happen here, so
+// no multiply can be fused into them: HF's composite rounds each square before the sum.
+template <int64_t lanes>
+__attribute__((noinline)) float sum_as_torch(const float* v, int64_t n) {
+  constexpr int kIlp = 4, kLevels = 4;
+  const int64_t vectors = n / lanes, groups = vectors / kIlp;
+  const int64_t power = std::max<int64_t>(4, at::native::utils::CeilLog2(groups) / kLevels);
+  const int64_t step = int64_t{1} << power;
+  float acc[kLevels][kIlp][lanes] = {};
+  auto add_vector = [&](float* into, int64_t vector) {
+    for (int64_t l = 0; l < lanes; ++l) into[l] += v[vector * lanes + l];
+  };
+  auto add_into = [&](float* into, float* from, bool clear) {
+    for (int64_t l = 0; l < lanes; ++l) {
+      into[l] += from[l];
+      if (clear) from[l] = 0.f;
+    }
+  };
+  int64_t g = 0;
+  while (g + step <= groups) {
+    for (int64_t j = 0; j < step; ++j, ++g)
+      for (int k = 0; k < kIlp; ++k) add_vector(acc[0][k], g * kIlp + k);
+    for (int level = 1; level < kLevels; ++level) {
+      for (int k = 0; k < kIlp; ++k) add_into(acc[level][k], acc[level - 1][k], true);
+      if (g & ((step - 1) << (level * power))) break;
+    }
+  }
+  for (; g < groups; ++g)
+    for (int k = 0; k < kIlp; ++k) add_vector(acc[0][k], g * kIlp + k);
+  for (int level = 1; level < kLevels; ++level)
+    for (int k = 0; k < kIlp; ++k) add_into(acc[0][k], acc[level][k], false);
+  for (int64_t i = groups * kIlp; i < vectors; ++i) add_vector(acc[0][0], i);
+  for (int k = 1; k < kIlp; ++k) add_into(acc[0][0], acc[0][k], false);
+  float total = 0.f;
+  for (int64_t i = vectors * lanes; i < n; ++i) total += v[i];
+  for (int64_t l = 0; l < lanes; ++l) total += acc[0][0][l];
+  return total;
+}
+
+// sum_out (optional) <- x + residual; y <- norm(x [+ residual]) * weight [+ bias]. LayerNorm rows round as
+// F.layer_norm (layer_norm_rows.cpp) and RMSNorm rows as HF's composite (sum_as_torch).
 template <typename scalar_t>
 void norm_rows(const NormArgs& a, const Tensor& x, const Tensor* residual, const Tensor& weight,
                const c10::optional<Tensor>& bias, Tensor* sum_out, Tensor& y) {
@@ -50,16 +96,13 @@ void norm_rows(const NormArgs& a, const Tensor& x, const Tensor* residual, const
   const scalar_t* rp = residual ? residual->data_ptr<scalar_t>() : nullptr;
   scalar_t* sp = sum_out ? sum_out->data_ptr<scalar_t>() : nullptr;
   scalar_t* yp = y.data_ptr<scalar_t>();
-  std::vector<float> wbuf, bbuf;
+  std::vector<float> wbuf;
   const scalar_t* weight_data = weight.data_ptr<scalar_t>();
   const scalar_t* bias_data = bias ? bias->data_ptr<scalar_t>() : nullptr;
-  // LayerNorm with weight and bias rounds as F.layer_norm (layer_norm_rows.cpp); the rest normalise here.
-  const bool as_torch = !std::is_same_v<scalar_t, double> && !a.rms && bias_data;
-  const float* w = as_torch ? nullptr : as_float(weight_data, c, wbuf);
-  const float* b = bias && !as_torch ? as_float(bias_data, c, bbuf) : nullptr;
+  const float* w = a.rms ? as_float(weight_data, c, wbuf) : nullptr;
 
   at::parallel_for(0, rows, row_grain(c), [&](int64_t begin, int64_t end) {
-    std::vector<float> row(c), xbuf;
+    std::vector<float> row(c), xbuf, squares(c);
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* row_in = xp + r * c;
       if (rp) {
@@ -69,47 +112,61 @@ void norm_rows(const NormArgs& a, const Tensor& x, const Tensor* residual, const
         }
         row_in = sp + r * c;
       }
-      if constexpr (!std::is_same_v<scalar_t, double>) {
-        if (as_torch) {
-          layer_norm_row_as_torch(row_in, weight_data, bias_data, yp + r * c, c, a.eps);
-          continue;
-        }
+      if (!a.rms) {
+        layer_norm_row_as_torch(row_in, weight_data, bias_data, yp + r * c, c, static_cast<float>(a.eps));
+        continue;
       }
       const float* src = as_float(row_in, c, xbuf);
-      float mean = a.rms ? 0.f : row_sum(src, c) / c;
-      float rstd = 1.f / std::sqrt(row_sum_sq(src, c, mean) / c + a.eps);
+      for (int64_t i = 0; i < c; ++i) squares[i] = src[i] * src[i];
+      const float sum = c < 8 ? sum_as_torch<1>(squares.data(), c) : sum_as_torch<8>(squares.data(), c);
+      const float variance = sum / static_cast<float>(c);
+      const float rstd = 1.f / std::sqrt(variance + static_cast<float>(a.eps));
       float* out = row.data();
-      if (a.rms) {
-        // RMSNorm rounds the normalised value to the input dtype before the weight, like HF's Llama.
-        for (int64_t i = 0; i < c; ++i)
-          out[i] = static_cast<float>(static_cast<scalar_t>(src[i] * rstd)) * w[i];
-      } else {
-        fVec vm(mean), vr(rstd);
-        int64_t i = 0;
-        for (; i + fVec::size() <= c; i += fVec::size()) {
-          fVec v = (fVec::loadu(src + i) - vm) * vr * fVec::loadu(w + i);
-          if (b) v = v + fVec::loadu(b + i);
-          v.store(out + i);
-        }
-        for (; i < c; ++i) out[i] = (src[i] - mean) * rstd * w[i] + (b ? b[i] : 0.f);
-      }
+      // RMSNorm rounds the normalised value to the input dtype before the weight, like HF's Llama.
+      for (int64_t i = 0; i < c; ++i) out[i] = static_cast<float>(static_cast<scalar_t>(src[i] * rstd)) * w[i];
       store_row(out, yp + r * c, c);
     }
   });
 }
 
+// Where no row kernel rounds as the model does, its own composite runs: LayerNorm without bias, float LayerNorm
+// whose width is not a multiple of 8 (the moments' scalar tail: torch's build leaves a product unfused that ours
+// fuses, one ulp at ~0.6% of values), and double rows.
+bool norm_needs_composite(const NormArgs& a, const Tensor& x, const c10::optional<Tensor>& bias) {
+  if (x.scalar_type() == at::kDouble) return true;
+  return !a.rms && (!bias || (x.scalar_type() == at::kFloat && x.size(-1) % 8));
+}
+
+std::tuple<Tensor, Tensor> norm_composite(const NormArgs& a, const Tensor& x, const Tensor* residual,
+                                          const Tensor& weight, const c10::optional<Tensor>& bias) {
+  Tensor total = residual ? x + *residual : Tensor();
+  const Tensor& in = residual ? total : x;
+  if (!a.rms) return {total, at::layer_norm(in, {in.size(-1)}, weight, bias, a.eps)};
+  Tensor wide = in.to(at::kFloat);
+  Tensor normed = wide * at::rsqrt(wide.pow(2).mean(-1, true) + a.eps);
+  return {total, weight * normed.to(in.scalar_type())};
+}
+
 std::tuple<Tensor, Tensor> norm_impl(const NormArgs& a, const Tensor& x_in, const Tensor* residual_in,
                                      const Tensor& weight_in, const c10::optional<Tensor>& bias_in) {
   check_norm_inputs(a, x_in, residual_in, weight_in, bias_in);
+  if (norm_needs_composite(a, x_in, bias_in)) return norm_composite(a, x_in, residual_in, weight_in, bias_in);
   Tensor x = x_in.contiguous();
   Tensor residual = residual_in ? residual_in->contiguous() : Tensor();
   Tensor weight = weight_in.contiguous();
   c10::optional<Tensor> bias = bias_in ? c10::optional<Tensor>(bias_in->contiguous()) : c10::nullopt;
   Tensor y = at::empty_like(x);
   Tensor sum = residual_in ? at::empty_like(x) : Tensor();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lightgen.norm", [&] {
+  auto rows = [&](auto zero) {
+    using scalar_t = decltype(zero);
     norm_rows<scalar_t>(a, x, residual_in ? &residual : nullptr, weight, bias, residual_in ? &sum : nullptr, y);
-  });
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: rows(float{}); break;
+    case at::kBFloat16: rows(c10::BFloat16{}); break;
+    case at::kHalf: rows(c10::Half{}); break;
+    default: TORCH_CHECK(false, a.op, ": no kernel for ", x.scalar_type());
+  }
   return {sum, y};
 }
 
@@ -118,21 +175,21 @@ std::tuple<Tensor, Tensor> norm_impl(const NormArgs& a, const Tensor& x_in, cons
 // Entry points (cpu_ops.h): the native decode step calls them directly, without the dispatcher.
 // x: [..., C], weight/bias: [C]
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& bias, double eps) {
-  return std::get<1>(norm_impl({"lightgen.layer_norm", false, static_cast<float>(eps)}, x, nullptr, weight, bias));
+  return std::get<1>(norm_impl({"lightgen.layer_norm", false, eps}, x, nullptr, weight, bias));
 }
 
 // x, residual: [..., C] -> (x + residual, layer_norm(x + residual))
 std::tuple<Tensor, Tensor> add_layer_norm(const Tensor& x, const Tensor& residual, const Tensor& weight,
                                           const c10::optional<Tensor>& bias, double eps) {
-  return norm_impl({"lightgen.add_layer_norm", false, static_cast<float>(eps)}, x, &residual, weight, bias);
+  return norm_impl({"lightgen.add_layer_norm", false, eps}, x, &residual, weight, bias);
 }
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
-  return std::get<1>(norm_impl({"lightgen.rms_norm", true, static_cast<float>(eps)}, x, nullptr, weight, c10::nullopt));
+  return std::get<1>(norm_impl({"lightgen.rms_norm", true, eps}, x, nullptr, weight, c10::nullopt));
 }
 
 std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& residual, const Tensor& weight, double eps) {
-  return norm_impl({"lightgen.add_rms_norm", true, static_cast<float>(eps)}, x, &residual, weight, c10::nullopt);
+  return norm_impl({"lightgen.add_rms_norm", true, eps}, x, &residual, weight, c10::nullopt);
 }
 
 }  // namespace lightgen

@@ -10,37 +10,7 @@ namespace lightgen {
 
 using fVec = at::vec::Vectorized<float>;
 
-inline float hsum(const fVec& v) {
-  alignas(64) float lanes[fVec::size()];
-  v.store(lanes);
-  float s = 0.f;
-  for (int i = 0; i < fVec::size(); ++i) s += lanes[i];
-  return s;
-}
-
-inline float row_sum(const float* p, int64_t n) {
-  fVec acc(0.f);
-  int64_t i = 0;
-  for (; i + fVec::size() <= n; i += fVec::size()) acc = acc + fVec::loadu(p + i);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += p[i];
-  return s;
-}
-
-inline float row_sum_sq(const float* p, int64_t n, float center) {
-  fVec acc(0.f), c(center);
-  int64_t i = 0;
-  for (; i + fVec::size() <= n; i += fVec::size()) {
-    fVec d = fVec::loadu(p + i) - c;
-    acc = at::vec::fmadd(d, d, acc);
-  }
-  float s = hsum(acc);
-  for (; i < n; ++i) s += (p[i] - center) * (p[i] - center);
-  return s;
-}
-
-// The lane sum in a shuffle tree: a few instructions, independent across calls, where hsum stores and adds one by one
-// (attention's scores, a dot a key).
+// The lane sum in a shuffle tree (attention's scores, a dot a key): a few instructions, independent across calls.
 inline float lane_sum(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return a + b; }, v);
 }
