@@ -97,7 +97,7 @@ def test_half_precision_is_sdpas_bit_for_bit(half, q_heads, kv_heads, q_len, key
     """HF's sdpa on the CPU runs PyTorch's flash attention kernel; in fp16 / bf16 the op forms its weights as that
     kernel does, so the outputs are HF's bit for bit, not only close. A sliding-window layer's cache hands sdpa the
     last window - 1 cached keys and the new ones: the op, which holds every key, counts HF's keys from there.
-    Not yet in fp16 for a window over two blocks: 1-2% of values one fp16 ulp off (not located)."""
+    These cases are exact; other inputs are not always (test_half_precision_stays_within_an_ulp_of_sdpa)."""
     q, k, v, _, _ = _qkv(3, q_heads, kv_heads, q_len, key_len, dim, half, seed=key_len)
     visible, padding = _causal_visibility(q_len, key_len, window, padded)
     out = ops.attention(q, k, v, mask=padding, causal=True, window=window)
@@ -110,6 +110,23 @@ def test_half_precision_is_sdpas_bit_for_bit(half, q_heads, kv_heads, q_len, key
         torch.testing.assert_close(out, expected.transpose(1, 2), atol=2e-4, rtol=2e-3)
     else:
         assert torch.equal(out, expected.transpose(1, 2))
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("q_len, key_len", [(1, 64), (1, 300), (9, 300), (1, 1100)])
+def test_half_precision_stays_within_an_ulp_of_sdpa(half, q_len, key_len):
+    """Over random inputs the op is sdpa's bit for bit at most values, not all: torch's flash kernel sums its
+    products in its CPU BLAS's order (measured on a Zen 4: up to 1.2e-3 of bf16 values and 2.3% of fp16 values
+    differ). What differs stays within an ulp of the output's scale."""
+    differing = total = 0
+    for seed in range(6):
+        q, k, v, _, _ = _qkv(2, 4, 2, q_len, key_len, 64, half, seed=3000 + seed)
+        out = ops.attention(q, k, v, causal=False)
+        expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2)
+        ulp = torch.finfo(half).eps * expected.float().abs().amax()
+        assert (out.float() - expected.float()).abs().max() <= ulp
+        differing, total = differing + (out != expected).sum().item(), total + out.numel()
+    assert differing <= 0.05 * total
 
 
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
