@@ -100,18 +100,14 @@ inline float rounded(float x) {
   return static_cast<float>(static_cast<scalar_t>(x));
 }
 
-// fp16 / bf16 weights as PyTorch's CPU flash attention (the kernel HF's sdpa runs there) forms them, so that outputs
-// round where HF's do: per block of 512 keys from key 0 (the last one ends at the row's key count, ``len``),
-// exponentiated against the running maximum (the sum so far rescaled when it grows) with its exp (ATen's fast
-// fexp_u20 on whole vectors from the block's start, std::exp on the rest), rounded to the input dtype before they
-// weigh the values; the sum of the unrounded ones divides at the end. Bit for bit torch 2.13's output on the tested
-// cases over 1-1100 keys, and at all but 0-1.2e-3 (bf16) / 0.3-2.3% (fp16) of values over random inputs, where the
-// flash kernel's BLAS sums its products in another order (tests/ops/test_attention.py); weights kept in float
-// differed from it at 34-46% of values. Key 0 is the first
-// key HF hands attention, ``origin`` here (a sliding-window layer's cache, DynamicSlidingWindowLayer, hands the last
-// window - 1 cached keys and the new ones), and the last block ends at the last key HF hands, ``end``. ``scores``
-// holds the row's scores over keys first..last and room up to ``end``. Returns the sum; ``acc`` the weighted
-// values.
+// fp16 / bf16 weights at the rounding points of PyTorch's CPU flash attention, for softcapped scores, which torch's
+// sdpa (attend_with_sdpa: every other fp16 / bf16 call) cannot take: per block of 512 keys from key 0 (the last one
+// ends at the row's key count, ``len``), exponentiated against the running maximum (the sum so far rescaled when it
+// grows) with its exp (ATen's fast fexp_u20 on whole vectors from the block's start, std::exp on the rest), rounded
+// to the input dtype before they weigh the values; the sum of the unrounded ones divides at the end. Key 0 is the
+// first key HF hands attention, ``origin`` here, and the last block ends at the last key HF hands, ``end``.
+// ``scores`` holds the row's scores over keys first..last and room up to ``end``. Returns the sum; ``acc`` the
+// weighted values.
 constexpr int64_t kFlashKeyBlock = 512;
 template <typename scalar_t>
 float weigh_rounded(float* scores, int64_t origin, int64_t first, int64_t last, int64_t len_end, const scalar_t* vb,
@@ -235,6 +231,75 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
   });
 }
 
+// The keys HF's cache hands one attention call, [origin, end), and the queries' own positions from ``past``.
+struct KeySpan {
+  int64_t past, end, origin;
+  bool operator==(const KeySpan& other) const {
+    return past == other.past && end == other.end && origin == other.origin;
+  }
+};
+
+// A prefill's span (every query over the cached and new keys), or with ``stepwise`` query i's own one-token step's;
+// a sliding-window layer's cache (DynamicSlidingWindowLayer) hands its last window - 1 cached keys and the new ones.
+KeySpan span_of(int64_t len, int64_t Tq, int64_t window, bool stepwise, int64_t i) {
+  const int64_t past = stepwise ? len - Tq + i : len - Tq, end = stepwise ? past + 1 : len;
+  return {past, end, window > 0 ? std::max<int64_t>(0, past - (window - 1)) : 0};
+}
+
+// fp16 / bf16 through torch's own sdpa, which HF's sdpa attention runs: its flash kernel takes the q.k and
+// weights.values products from the CPU BLAS, whose summation order is the machine's (oneDNN's vdpbf16ps pairs, AMX
+// tiles, ATen's fp16 gemv), so no kernel of ours sums as it does everywhere (ours, following its rounding points
+// but not that order, differed at up to 1.2e-3 of bf16 and 2.3% of fp16 values). Each call sees the keys HF's
+// cache would hand that step, and a mask only where a key in them is hidden (HF's causal, window and padding), or
+// always an additive one (T5's position bias, -inf where hidden) where ``mask`` adds. Rows (and, stepwise, queries)
+// whose spans agree share a call; q's rows are [B, Hq, Tq, D], ``mask`` [B, Hq, Tq, Tmax] (bool or float, broadcast;
+// undefined: none), out [B, Tq, Hq, D].
+void attend_with_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& key_len,
+                      const Tensor& mask_in, double scale, bool causal, int64_t window, bool stepwise, Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2);
+  const bool gqa = Hq != k.size(1);
+  // One query at a time when stepwise (each its own step), else all of a row's queries at once.
+  const int64_t query_groups = stepwise ? Tq : 1, per_call = stepwise ? 1 : Tq;
+  for (int64_t group = 0; group < query_groups; ++group) {
+    const int64_t first_query = group * per_call;
+    std::vector<KeySpan> spans;
+    for (int64_t b = 0; b < B; ++b) spans.push_back(span_of(key_len[b], Tq, window, stepwise, first_query));
+    const bool shared = std::all_of(spans.begin(), spans.end(), [&](const KeySpan& s) { return s == spans[0]; });
+    for (int64_t b0 = 0; b0 < B; b0 += shared ? B : 1) {
+      const int64_t rows = shared ? B : 1;
+      const KeySpan span = spans[b0];
+      const int64_t width = span.end - span.origin;
+      Tensor queries = q.narrow(0, b0, rows).narrow(2, first_query, per_call);
+      Tensor keys = k.narrow(0, b0, rows).narrow(2, span.origin, width);
+      Tensor values = v.narrow(0, b0, rows).narrow(2, span.origin, width);
+      // One query sees every key of its own span (causal up to itself, the window from its first); several need
+      // a causal (and window) mask among them.
+      Tensor visible;
+      if (per_call > 1) {
+        const Tensor positions = at::arange(span.origin, span.end, q.options().dtype(at::kLong));
+        const Tensor slots = at::arange(span.past, span.past + per_call, positions.options()).unsqueeze(1);
+        visible = causal ? positions.le(slots) : at::ones({per_call, width}, positions.options().dtype(at::kBool));
+        if (window > 0) visible = visible.logical_and(positions.gt(slots - window));
+      }
+      const Tensor given = mask_in.defined()
+          ? mask_in.narrow(0, b0, rows).narrow(2, first_query, per_call).narrow(3, span.origin, width) : Tensor();
+      c10::optional<Tensor> mask;
+      if (given.defined() && given.scalar_type() != at::kBool) {
+        const Tensor bias = visible.defined()
+            ? given.masked_fill(visible.logical_not(), -std::numeric_limits<double>::infinity()) : given;
+        mask = bias.to(q.scalar_type());
+      } else {
+        if (given.defined()) visible = visible.defined() ? given.logical_and(visible) : given;
+        if (visible.defined() && !visible.all().item<bool>()) {
+          mask = visible.dim() == 2 ? visible.view({1, 1, per_call, width}) : visible;
+        }
+      }
+      const Tensor result = at::scaled_dot_product_attention(queries, keys, values, mask, 0.0, false, scale, gqa);
+      out.narrow(0, b0, rows).narrow(1, first_query, per_call).copy_(result.transpose(1, 2));
+    }
+  }
+}
+
 }  // namespace
 
 // Entry points (cpu_ops.h): the native decode step calls them directly, without the dispatcher.
@@ -301,15 +366,23 @@ Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::o
   }
 
   Tensor out = at::empty({B, Tq, Hq, D}, q.options());
+  const bool half = q.scalar_type() != at::kFloat && q.scalar_type() != at::kDouble;
+  // HF's sdpa attention in fp16 / bf16 (not its eager one; HF's sdpa refuses Gemma 2's softcap).
+  const bool as_sdpa = half && !eager && softcap == 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), kOp, [&] {
     if (k_new) {
       write_new_kv<scalar_t>(*k_new, k_cache, pos);
       write_new_kv<scalar_t>(*v_new, v_cache, pos);
     }
-    attend<scalar_t>(q, k_cache, v_cache, key_len, view, static_cast<float>(scale), causal, window,
-                     static_cast<float>(softcap), stepwise && causal, eager && q.scalar_type() != at::kFloat,
-                     upcast, out);
+    if (!as_sdpa) {
+      attend<scalar_t>(q, k_cache, v_cache, key_len, view, static_cast<float>(scale), causal, window,
+                       static_cast<float>(softcap), stepwise && causal, eager && half, upcast, out);
+    }
   });
+  if (as_sdpa) {
+    const Tensor expanded = mask_keepalive.defined() ? mask_keepalive.expand({B, Hq, Tq, Tmax}) : Tensor();
+    attend_with_sdpa(q, k_cache, v_cache, key_len, expanded, scale, causal, window, stepwise && causal, out);
+  }
   return out;
 }
 
