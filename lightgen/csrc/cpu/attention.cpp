@@ -101,7 +101,7 @@ inline float rounded(float x) {
 }
 
 // fp16 / bf16 weights at the rounding points of PyTorch's CPU flash attention, for softcapped scores, which torch's
-// sdpa (attend_with_sdpa: every other fp16 / bf16 call) cannot take: per block of 512 keys from key 0 (the last one
+// sdpa (attend_with_torch: every other fp16 / bf16 call but GPT-2's upcast eager one) cannot take: per block of 512 keys from key 0 (the last one
 // ends at the row's key count, ``len``), exponentiated against the running maximum (the sum so far rescaled when it
 // grows) with its exp (ATen's fast fexp_u20 on whole vectors from the block's start, std::exp on the rest), rounded
 // to the input dtype before they weigh the values; the sum of the unrounded ones divides at the end. Key 0 is the
@@ -148,9 +148,9 @@ float weigh_rounded(float* scores, int64_t origin, int64_t first, int64_t last, 
   return denom;
 }
 
-// fp16 / bf16 attention as HF's eager function forms it in the dtype: the scores' matmul, its scaling, softcap and
-// mask each rounded to the dtype; a float softmax (dtype=float32) normalised by 1/sum and rounded, then a float
-// matmul with the values. ``scores`` holds the row's rounded scores over keys first..last.
+// GPT-2's reorder_and_upcast_attn eager attention in fp16 / bf16 (its scores float32): a float softmax normalised by
+// 1/sum and rounded to the dtype, then a float matmul with the values. ``scores`` holds the row's scores over keys
+// first..last.
 template <typename scalar_t>
 void weigh_eager(float* scores, int64_t first, int64_t last, float top, const scalar_t* vb, int64_t stride,
                  int64_t D, float* acc, std::vector<float>& buf) {
@@ -167,7 +167,7 @@ constexpr int64_t kAttendGrain = 8192;
 template <typename scalar_t>
 void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& key_len,
             const MaskView& mask, float scale, bool causal, int64_t window, float softcap, bool stepwise,
-            bool eager, bool upcast, Tensor& out) {
+            bool eager, Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t group = Hq / k.size(1);
   const int64_t Tk = k.size(2);
@@ -183,9 +183,6 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  // Each step of a score as stored: rounded to the dtype where HF's eager attention keeps its scores in it.
-  const bool dtype_scores = eager && !upcast;
-  const auto score = [dtype_scores](float x) { return dtype_scores ? rounded<scalar_t>(x) : x; };
   at::parallel_for(0, B * Hq * Tq, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(Tk), acc(D), qbuf, kbuf, vbuf;
     for (int64_t task = begin; task < end; ++task) {
@@ -200,9 +197,9 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
       const scalar_t* vb = v_base + b * vs0 + hk * vs1;
       float max_score = -std::numeric_limits<float>::infinity();
       for (int64_t j = first; j <= last; ++j) {
-        float s = score(score(row_dot(qf, as_float(kb + j * ks2, D, kbuf), D)) * scale);
-        if (softcap > 0.f) s = score(score(std::tanh(score(s / softcap))) * softcap);  // Gemma 2: before the mask
-        s = score(s + mask_bias(mask, b, h, i, j));
+        float s = row_dot(qf, as_float(kb + j * ks2, D, kbuf), D) * scale;
+        if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;  // Gemma 2: before the mask
+        s += mask_bias(mask, b, h, i, j);
         scores[j] = s;
         max_score = std::max(max_score, s);
       }
@@ -246,16 +243,46 @@ KeySpan span_of(int64_t len, int64_t Tq, int64_t window, bool stepwise, int64_t 
   return {past, end, window > 0 ? std::max<int64_t>(0, past - (window - 1)) : 0};
 }
 
-// fp16 / bf16 through torch's own sdpa, which HF's sdpa attention runs: its flash kernel takes the q.k and
-// weights.values products from the CPU BLAS, whose summation order is the machine's (oneDNN's vdpbf16ps pairs, AMX
-// tiles, ATen's fp16 gemv), so no kernel of ours sums as it does everywhere (ours, following its rounding points
-// but not that order, differed at up to 1.2e-3 of bf16 and 2.3% of fp16 values). Each call sees the keys HF's
+// The lowest value of q's dtype, which HF's additive masks put on hidden keys.
+double lowest(const Tensor& q) {
+  return q.scalar_type() == at::kHalf ? std::numeric_limits<c10::Half>::lowest()
+                                      : std::numeric_limits<c10::BFloat16>::lowest();
+}
+
+// HF's eager attention in the dtype, op for op (eager_attention_forward; Gemma 2's with its softcap): the scores'
+// matmul over K/V heads repeated per query head (repeat_kv), scaled, capped, masked (``mask``: bool, hidden keys
+// at the dtype's lowest value as HF's additive mask holds them, or additive), a float32 softmax rounded to the
+// dtype, the values' matmul. A query that sees no key yields zeros here, as the kernel's (the engine spreads it).
+Tensor eager_attention(const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& mask,
+                       double scale, double softcap) {
+  const int64_t group = q.size(1) / k.size(1);
+  const Tensor keys = group > 1 ? k.repeat_interleave(group, 1) : k;
+  const Tensor values = group > 1 ? v.repeat_interleave(group, 1) : v;
+  Tensor scores = at::matmul(q, keys.transpose(2, 3)) * scale;
+  if (softcap > 0) scores = (scores / softcap).tanh() * softcap;
+  Tensor sees;
+  if (mask && mask->scalar_type() == at::kBool) {
+    scores = scores + at::zeros_like(*mask, q.options()).masked_fill(mask->logical_not(), lowest(q));
+    sees = mask->any(-1, true);
+  } else if (mask) {
+    scores = scores + *mask;
+  }
+  Tensor out = at::matmul(at::softmax(scores, -1, at::kFloat).to(q.scalar_type()), values);
+  return sees.defined() ? out.masked_fill(sees.logical_not(), 0) : out;
+}
+
+// fp16 / bf16 through torch's own ops, as HF's attention runs them: sdpa (its flash kernel takes the q.k and
+// weights.values products from the CPU BLAS, whose summation order is the machine's: oneDNN's vdpbf16ps pairs, AMX
+// tiles, ATen's fp16 gemv), or with ``eager`` HF's eager function (eager_attention: matmuls in that BLAS too). No
+// kernel of ours sums as that BLAS does everywhere (ours, at their rounding points but not in that order, differed
+// at up to 1.2e-3 of bf16 and 2.3% of fp16 values through sdpa, 0.37% / 0.57% eager). Each call sees the keys HF's
 // cache would hand that step, and a mask only where a key in them is hidden (HF's causal, window and padding), or
-// always an additive one (T5's position bias, -inf where hidden) where ``mask`` adds. Rows (and, stepwise, queries)
-// whose spans agree share a call; q's rows are [B, Hq, Tq, D], ``mask`` [B, Hq, Tq, Tmax] (bool or float, broadcast;
-// undefined: none), out [B, Tq, Hq, D].
-void attend_with_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& key_len,
-                      const Tensor& mask_in, double scale, bool causal, int64_t window, bool stepwise, Tensor& out) {
+// always an additive one (T5's position bias, hidden keys at the dtype's lowest) where ``mask`` adds. Rows (and,
+// stepwise, queries) whose spans agree share a call; q's rows are [B, Hq, Tq, D], ``mask`` [B, Hq, Tq, Tmax] (bool
+// or float, broadcast; undefined: none), out [B, Tq, Hq, D].
+void attend_with_torch(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& key_len,
+                      const Tensor& mask_in, double scale, bool causal, int64_t window, bool stepwise, bool eager,
+                      double softcap, Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2);
   const bool gqa = Hq != k.size(1);
   // One query at a time when stepwise (each its own step), else all of a row's queries at once.
@@ -285,8 +312,7 @@ void attend_with_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const s
           ? mask_in.narrow(0, b0, rows).narrow(2, first_query, per_call).narrow(3, span.origin, width) : Tensor();
       c10::optional<Tensor> mask;
       if (given.defined() && given.scalar_type() != at::kBool) {
-        const Tensor bias = visible.defined()
-            ? given.masked_fill(visible.logical_not(), -std::numeric_limits<double>::infinity()) : given;
+        const Tensor bias = visible.defined() ? given.masked_fill(visible.logical_not(), lowest(q)) : given;
         mask = bias.to(q.scalar_type());
       } else {
         if (given.defined()) visible = visible.defined() ? given.logical_and(visible) : given;
@@ -294,7 +320,8 @@ void attend_with_sdpa(const Tensor& q, const Tensor& k, const Tensor& v, const s
           mask = visible.dim() == 2 ? visible.view({1, 1, per_call, width}) : visible;
         }
       }
-      const Tensor result = at::scaled_dot_product_attention(queries, keys, values, mask, 0.0, false, scale, gqa);
+      const Tensor result = eager ? eager_attention(queries, keys, values, mask, scale, softcap)
+                                  : at::scaled_dot_product_attention(queries, keys, values, mask, 0.0, false, scale, gqa);
       out.narrow(0, b0, rows).narrow(1, first_query, per_call).copy_(result.transpose(1, 2));
     }
   }
@@ -367,21 +394,23 @@ Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::o
 
   Tensor out = at::empty({B, Tq, Hq, D}, q.options());
   const bool half = q.scalar_type() != at::kFloat && q.scalar_type() != at::kDouble;
-  // HF's sdpa attention in fp16 / bf16 (not its eager one; HF's sdpa refuses Gemma 2's softcap).
-  const bool as_sdpa = half && !eager && softcap == 0;
+  // HF's sdpa attention in fp16 / bf16 (HF's sdpa refuses Gemma 2's softcap), or its eager one (but GPT-2's
+  // reorder_and_upcast_attn, whose float32 scores the kernel forms), through torch's own ops.
+  const bool as_torch = half && (eager ? !upcast : softcap == 0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), kOp, [&] {
     if (k_new) {
       write_new_kv<scalar_t>(*k_new, k_cache, pos);
       write_new_kv<scalar_t>(*v_new, v_cache, pos);
     }
-    if (!as_sdpa) {
+    if (!as_torch) {
       attend<scalar_t>(q, k_cache, v_cache, key_len, view, static_cast<float>(scale), causal, window,
-                       static_cast<float>(softcap), stepwise && causal, eager && half, upcast, out);
+                       static_cast<float>(softcap), stepwise && causal, eager && half, out);
     }
   });
-  if (as_sdpa) {
+  if (as_torch) {
     const Tensor expanded = mask_keepalive.defined() ? mask_keepalive.expand({B, Hq, Tq, Tmax}) : Tensor();
-    attend_with_sdpa(q, k_cache, v_cache, key_len, expanded, scale, causal, window, stepwise && causal, out);
+    attend_with_torch(q, k_cache, v_cache, key_len, expanded, scale, causal, window, stepwise && causal, eager, softcap,
+                     out);
   }
   return out;
 }
