@@ -101,13 +101,13 @@ inline float rounded(float x) {
 }
 
 // fp16 / bf16 weights at the rounding points of PyTorch's CPU flash attention, for softcapped scores, which torch's
-// sdpa (attend_with_torch: every other fp16 / bf16 call but GPT-2's upcast eager one) cannot take: per block of 512 keys from key 0 (the last one
-// ends at the row's key count, ``len``), exponentiated against the running maximum (the sum so far rescaled when it
-// grows) with its exp (ATen's fast fexp_u20 on whole vectors from the block's start, std::exp on the rest), rounded
-// to the input dtype before they weigh the values; the sum of the unrounded ones divides at the end. Key 0 is the
-// first key HF hands attention, ``origin`` here, and the last block ends at the last key HF hands, ``end``.
-// ``scores`` holds the row's scores over keys first..last and room up to ``end``. Returns the sum; ``acc`` the
-// weighted values.
+// sdpa cannot take (attend_with_torch runs every other fp16 / bf16 call but GPT-2's upcast eager one): per block of
+// 512 keys from key 0 (the last one ends at the row's key count, ``len``), exponentiated against the running maximum
+// (the sum so far rescaled when it grows) with its exp (ATen's fast fexp_u20 on whole vectors from the block's
+// start, std::exp on the rest), rounded to the input dtype before they weigh the values; the sum of the unrounded
+// ones divides at the end. Key 0 is the first key HF hands attention, ``origin`` here, and the last block ends at
+// the last key HF hands, ``end``. ``scores`` holds the row's scores over keys first..last and room up to ``end``.
+// Returns the sum; ``acc`` the weighted values.
 constexpr int64_t kFlashKeyBlock = 512;
 template <typename scalar_t>
 float weigh_rounded(float* scores, int64_t origin, int64_t first, int64_t last, int64_t len_end, const scalar_t* vb,
@@ -167,7 +167,7 @@ constexpr int64_t kAttendGrain = 8192;
 template <typename scalar_t>
 void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& key_len,
             const MaskView& mask, float scale, bool causal, int64_t window, float softcap, bool stepwise,
-            bool eager, Tensor& out) {
+            bool upcast_eager, Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t group = Hq / k.size(1);
   const int64_t Tk = k.size(2);
@@ -205,7 +205,7 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       if (max_score != -std::numeric_limits<float>::infinity()) {  // a fully masked query yields zeros
-        if (eager) {
+        if (upcast_eager) {
           weigh_eager(scores.data(), first, last, max_score, vb, vs2, D, acc.data(), vbuf);  // normalised weights
         } else {
           float denom;
@@ -281,8 +281,8 @@ Tensor eager_attention(const Tensor& q, const Tensor& k, const Tensor& v, const 
 // stepwise, queries) whose spans agree share a call; q's rows are [B, Hq, Tq, D], ``mask`` [B, Hq, Tq, Tmax] (bool
 // or float, broadcast; undefined: none), out [B, Tq, Hq, D].
 void attend_with_torch(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& key_len,
-                      const Tensor& mask_in, double scale, bool causal, int64_t window, bool stepwise, bool eager,
-                      double softcap, Tensor& out) {
+                       const Tensor& mask_in, double scale, bool causal, int64_t window, bool stepwise, bool eager,
+                       double softcap, Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2);
   const bool gqa = Hq != k.size(1);
   // One query at a time when stepwise (each its own step), else all of a row's queries at once.
@@ -320,8 +320,9 @@ void attend_with_torch(const Tensor& q, const Tensor& k, const Tensor& v, const 
           mask = visible.dim() == 2 ? visible.view({1, 1, per_call, width}) : visible;
         }
       }
-      const Tensor result = eager ? eager_attention(queries, keys, values, mask, scale, softcap)
-                                  : at::scaled_dot_product_attention(queries, keys, values, mask, 0.0, false, scale, gqa);
+      const Tensor result =
+          eager ? eager_attention(queries, keys, values, mask, scale, softcap)
+                : at::scaled_dot_product_attention(queries, keys, values, mask, 0.0, false, scale, gqa);
       out.narrow(0, b0, rows).narrow(1, first_query, per_call).copy_(result.transpose(1, 2));
     }
   }
@@ -337,8 +338,8 @@ void attend_with_torch(const Tensor& q, const Tensor& k, const Tensor& v, const 
 // window > 0: query i (at cache position len - Tq + i) sees only keys j > len - Tq + i - window (HF's sliding
 // window); softcap > 0: scores become tanh(s / softcap) * softcap before the mask is added. ``stepwise`` (causal
 // fp16 / bf16 only): each query rounds as HF's one-token step for it would (a verification pass of drafts),
-// not as one prefill. ``eager`` (fp16 / bf16 only): rounded as HF's eager attention, not as its sdpa; with
-// ``upcast`` its scores stay float32 (GPT-2's reorder_and_upcast_attn).
+// not as one prefill. ``eager`` (fp16 / bf16 only): HF's eager attention (its ops), not its sdpa; with ``upcast``
+// the scores stay float32 (GPT-2's reorder_and_upcast_attn, on the kernel).
 Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::optional<Tensor>& k_new,
                  const c10::optional<Tensor>& v_new, const c10::optional<Tensor>& cache_pos,
                  const c10::optional<Tensor>& mask, double scale, bool causal, int64_t window, double softcap,
@@ -404,13 +405,13 @@ Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::o
     }
     if (!as_torch) {
       attend<scalar_t>(q, k_cache, v_cache, key_len, view, static_cast<float>(scale), causal, window,
-                       static_cast<float>(softcap), stepwise && causal, eager && half, out);
+                       static_cast<float>(softcap), stepwise && causal, half && eager && upcast, out);
     }
   });
   if (as_torch) {
     const Tensor expanded = mask_keepalive.defined() ? mask_keepalive.expand({B, Hq, Tq, Tmax}) : Tensor();
-    attend_with_torch(q, k_cache, v_cache, key_len, expanded, scale, causal, window, stepwise && causal, eager, softcap,
-                     out);
+    attend_with_torch(q, k_cache, v_cache, key_len, expanded, scale, causal, window, stepwise && causal, eager,
+                      softcap, out);
   }
   return out;
 }
