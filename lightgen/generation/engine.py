@@ -306,13 +306,19 @@ def _attention_windows(cache, layers: int) -> tuple[int, ...] | str:
     return tuple(windows)
 
 
-def _eager_key_spans(model, cache, past: int, new: int) -> tuple[KeySpan, ...] | None:
-    """For a model on HF's eager attention (None otherwise), per layer, the keys HF's cache layer hands attention
-    in a prompt pass of ``new`` positions after ``past`` (as the layers' ``update`` returns them; a DynamicCache's
-    without ``cache``). A prompt position that sees no key spreads over them: the cache and hidden states hold it,
-    and a row of padding alone takes its first token from it."""
-    if model.config._attn_implementation != lg_attention.EAGER_IMPLEMENTATION:
-        return None
+def _round_as_eager(state, model, cache, past: int, new: int) -> None:
+    """For a model on HF's eager attention, what ``state``'s attention follows of it: where its softmax rounds, and
+    per layer the keys HF's cache layer hands attention in a prompt pass of ``new`` positions after ``past``."""
+    if model.config._attn_implementation == lg_attention.EAGER_IMPLEMENTATION:
+        state.eager_spans = _eager_key_spans(model, cache, past, new)
+        state.eager_softmax_in_dtype = lg_attention.softmax_in_dtype(model)
+
+
+def _eager_key_spans(model, cache, past: int, new: int) -> tuple[KeySpan, ...]:
+    """Per layer, the keys HF's cache layer hands attention in a prompt pass of ``new`` positions after ``past`` (as
+    the layers' ``update`` returns them; a DynamicCache's without ``cache``). A prompt position that sees no key
+    spreads over them: the cache and hidden states hold it, and a row of padding alone takes its first token from
+    it."""
     layers = len(getattr(model, DECODER_ATTR).spec.layers)
     cache_layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None) or [DynamicLayer()] * layers
     spans = []
@@ -461,7 +467,7 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
     if _observes(generation_config):
         state.observed = Observed(bool(generation_config.output_attentions),
                                   bool(generation_config.output_hidden_states), windows or ())
-    state.eager_spans = _eager_key_spans(model, cache, past, prompt_len - cached)
+    _round_as_eager(state, model, cache, past, prompt_len - cached)
     try:
         if cache is not None:
             hf_cache.load(state, cache)
@@ -522,7 +528,7 @@ def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_proce
     else:
         state = decoder.start(**start, prompt_mask=mask)
     try:
-        state.eager_spans = _eager_key_spans(model, None, 0, input_ids.shape[1])
+        _round_as_eager(state, model, None, 0, input_ids.shape[1])
         if aggressive.drafter is None:
             drafts = CopyFromInput(sources)
         else:

@@ -11,12 +11,16 @@ the op (prefill included) or, when gradients are recorded, the family's own eage
 
 A model whose own implementation was eager gets "lightgen_eager": the same, except that a query which sees no key
 (a padded prompt position) takes eager's result there, not sdpa's zeros (``with_even_keyless``), and that fp16 /
-bf16 attention rounds where eager's does: the kernels in their eager mode, a prefill the family's eager function.
+bf16 attention rounds where eager's does: the kernels in their eager mode (the softmax in float32 or in the dtype, as
+the family's eager function takes it: ``softmax_in_dtype``), a prefill the family's eager function.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+import types
+import warnings
 
 import torch
 from transformers import AttentionInterface
@@ -57,14 +61,14 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, is_cau
     if kwargs.get("output_attentions") or (softcap is not None and grad):
         return _eager(module, query, key, value, attention_mask, is_causal, eager_model, scaling=scaling,
                       dropout=dropout, **kwargs)
-    eager, upcast = eager_model and query.dtype != torch.float32, _upcasts(module)
+    eager = eager_model and query.dtype != torch.float32
+    rounding = dict(eager=eager, upcast=_upcasts(module), softmax_in_dtype=eager and softmax_in_dtype(module))
     if softcap is not None:
         if attention_mask is not None:
             return ops.attention(query, key, value, mask=attention_mask[..., :key.shape[-2]], scale=scaling,
-                                 softcap=softcap, eager=eager, upcast=upcast), None
+                                 softcap=softcap, **rounding), None
         causal = query.shape[-2] > 1 and getattr(module, "is_causal", True)
-        return ops.attention(query, key, value, scale=scaling, causal=causal, softcap=softcap, eager=eager,
-                             upcast=upcast), None
+        return ops.attention(query, key, value, scale=scaling, causal=causal, softcap=softcap, **rounding), None
     # Prefill, and anything that records gradients (our kernels have no autograd), take sdpa.
     prefill = query.shape[-2] > 1
     unsupported = any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS)
@@ -75,8 +79,7 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, is_cau
     if attention_mask is not None:
         attention_mask = attention_mask[..., :key_len]
     # A single query sees every key it is not masked from: no causal window needed.
-    out = ops.attention(query, key, value, mask=attention_mask, scale=scaling, eager=eager, upcast=upcast)
-    return out, None
+    return ops.attention(query, key, value, mask=attention_mask, scale=scaling, **rounding), None
 
 
 def even_spread(values: torch.Tensor, keys: int) -> torch.Tensor:
@@ -109,6 +112,38 @@ def _upcasts(module) -> bool:
     return bool(getattr(module, "reorder_and_upcast_attn", False))
 
 
+def _family_eager(module):
+    """The ``eager_attention_forward`` of ``module``'s family (``module``: the model or any of its modules), or None
+    (the family has none: BERT's runs)."""
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+def softmax_in_dtype(module) -> bool:
+    """Whether the eager attention of ``module``'s family (``module``: the model or any of its modules) takes its
+    softmax in the scores' dtype (the BART family's, GPT-2's, T5's, BERT's) rather than in float32 rounded after
+    (Llama's and most decoder-only families'). The two differ at ~5e-5 of fp16 values (widths not a multiple of 16)."""
+    return _takes_softmax_in_dtype(_family_eager(module) or eager_attention_forward)
+
+
+@functools.cache
+def _takes_softmax_in_dtype(family_eager) -> bool:
+    """Asked of the function itself, once (~20 ms), as no attribute tells: fp16 scores of one-wide heads, 65,536
+    queries over 26 keys, where the two softmaxes differ at ~130 weights; which of them its weights are."""
+    generator = torch.Generator().manual_seed(0)
+    query = (torch.randn(1, 1, 65536, 1, generator=generator) * 4).half()
+    key = torch.randn(1, 1, 26, 1, generator=generator).half()
+    module = types.SimpleNamespace(training=False, num_key_value_groups=1, head_dim=1)
+    try:
+        _, weights = family_eager(module, query, key, key, None, scaling=1.0, dropout=0.0)
+    except Exception as error:  # a family's function that needs more of its module than this one holds
+        warnings.warn(f"lightgen: cannot tell where {family_eager.__module__}'s eager attention rounds its softmax "
+                      f"({error!r}); fp16 / bf16 eager attention takes it in float32", stacklevel=2)
+        return False
+    scores = torch.matmul(query, key.transpose(-1, -2)) * 1.0
+    return torch.equal(weights, torch.softmax(scores, -1)) and not torch.equal(
+        weights, torch.softmax(scores, -1, dtype=torch.float32).half())
+
+
 def _eager(module, query, key, value, attention_mask, is_causal, eager_model: bool, **kwargs):
     """Attention weights as the module's family computes them: its own ``eager_attention_forward`` (which
     repeats grouped K/V heads), or BERT's for families without one, with K/V heads repeated here; for a model
@@ -125,7 +160,7 @@ def _eager(module, query, key, value, attention_mask, is_causal, eager_model: bo
             ~attention_mask, torch.finfo(query.dtype).min)
     if eager_model and _upcasts(module):
         return module._upcast_and_reordered_attn(query, key, value, attention_mask)
-    family_eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    family_eager = _family_eager(module)
     if family_eager is not None:
         return family_eager(module, query, key, value, attention_mask, **kwargs)
     groups = query.shape[1] // key.shape[1]

@@ -208,6 +208,7 @@ class DecodeState:
         # weights and output, where the kernels (as sdpa) give zeros: HF returns them in hidden states and
         # attentions, and the layers after carry them into the cache.
         self.eager_spans: tuple[KeySpan, ...] | None = None
+        self.eager_softmax_in_dtype = False  # that eager attention's softmax runs in fp16 / bf16, not float32
         self.in_prompt = False  # during ``prefill``: HF runs it as one pass; every later pass stands for HF's steps
         self.native_plan = None  # the decoder's native_step.Plan for this request, once a step asked for it
         self.step_graph: step_graph.StepGraph | None = None  # on a GPU, once a one-token step ran
@@ -552,12 +553,13 @@ class Decoder:
         keys, values = state.cache.layer(index)
         out = ops.attention(query, keys, values, key, value, state.lengths, mask, attn.score_scale, True,
                             attn.window, attn.softcap, stepwise=not state.in_prompt, eager=state.eager,
-                            upcast=attn.upcast)
+                            upcast=attn.upcast, softmax_in_dtype=state.eager_softmax_in_dtype)
         if state.spreading:
             out = _spread_keyless(state, state.eager_spans[index], attn.window, values, out)
         if weights is not None:
             probs = ops.attention_probs(query, keys, state.lengths + length, mask, attn.score_scale, True,
-                                        attn.window, attn.softcap, state.eager, attn.upcast)
+                                        attn.window, attn.softcap, state.eager, attn.upcast,
+                                        state.eager_softmax_in_dtype)
             weights.append((probs.to(query.dtype), state.cache.length, state.cache.length + length))
         return apply_linear(attn.out, out.view(rows, length, -1))
 
@@ -569,10 +571,11 @@ class Decoder:
         query = apply_linear(attn.q, h).view(sentences, expand * length, attn.heads, -1).transpose(1, 2)
         keys = state.cross_keys[index]
         out = ops.attention(query, keys, state.cross_values[index], None, None, None, state.encoder_keep,
-                            attn.scaling, False, eager=state.eager)
+                            attn.scaling, False, eager=state.eager, softmax_in_dtype=state.eager_softmax_in_dtype)
         if weights is not None:  # [sentences, H, expand * T, S] -> per decoder row [rows, H, T, S]
             probs = ops.attention_probs(query, keys, torch.full((sentences,), keys.shape[2], device=h.device),
-                                        state.encoder_keep, attn.scaling, False, eager=state.eager)
+                                        state.encoder_keep, attn.scaling, False, eager=state.eager,
+                                        softmax_in_dtype=state.eager_softmax_in_dtype)
             weights.append(probs.to(query.dtype).view(sentences, attn.heads, expand, length, -1).transpose(1, 2)
                            .reshape(rows, attn.heads, length, -1))
         return apply_linear(attn.out, out.view(rows, length, -1))  # heads x head_dim may differ from the width (T5)

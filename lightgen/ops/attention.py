@@ -12,8 +12,9 @@ added (Gemma 2). A query with no visible key returns zeros. In fp16 / bf16 the C
 kernel HF's sdpa runs there (PyTorch's CPU flash attention): as one prefill, or with ``stepwise`` (causal)
 each query as HF's one-token step for it would (a verification pass of drafts); with ``eager`` as HF's eager
 attention (scores, their scaling, softcap and mask each rounded to the dtype, the softmax in float32 rounded before
-it weighs the values; ``upcast`` keeps the scores in float32, as GPT-2's ``reorder_and_upcast_attn``). float32
-ignores both.
+it weighs the values, or with ``softmax_in_dtype`` the softmax in the dtype, as the BART family's, GPT-2's and T5's
+eager functions take it; ``upcast`` keeps the scores in float32, as GPT-2's ``reorder_and_upcast_attn``). float32
+ignores them.
 Returns [B, Tq, Hq, D], the layout the output projection reads.
 """
 
@@ -26,15 +27,15 @@ from lightgen import _build
 
 def attention(q, k_cache, v_cache, k_new=None, v_new=None, cache_pos=None, mask=None, scale=None, causal=False,
               window: int = 0, softcap: float = 0.0, stepwise: bool = False, eager: bool = False,
-              upcast: bool = False):
+              upcast: bool = False, softmax_in_dtype: bool = False):
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return _build.op("attention")(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window, softcap,
-                                  stepwise, eager, upcast)
+                                  stepwise, eager, upcast, softmax_in_dtype)
 
 
 def attention_ref(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window=0, softcap=0.0,
-                  stepwise=False, eager=False, upcast=False):
+                  stepwise=False, eager=False, upcast=False, softmax_in_dtype=False):
     if window < 0 or softcap < 0:
         raise RuntimeError(f"lightgen.attention: 'window' and 'softcap' must be >= 0 (0: none), got {window}, {softcap}")
     batch, q_heads, q_len, _ = q.shape
@@ -55,19 +56,21 @@ def attention_ref(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, cau
     # Zero unwritten values: 0-probability x uninitialised memory (inf/NaN) would poison the sum.
     dtype = q.dtype if eager else torch.float32
     values = v_cache.to(dtype).repeat_interleave(group, dim=1).masked_fill(~in_cache[:, None, :, None], 0.0)
-    probs = attention_probs(q, k_cache, key_len, mask, scale, causal, window, softcap, eager, upcast)
+    probs = attention_probs(q, k_cache, key_len, mask, scale, causal, window, softcap, eager, upcast,
+                            softmax_in_dtype)
     out = torch.matmul(probs.to(dtype), values)  # [B, Hq, Tq, D]
     return out.transpose(1, 2).contiguous().to(q.dtype)
 
 
-def attention_probs(q, k_cache, key_len, mask, scale, causal, window=0, softcap=0.0, eager=False, upcast=False):
+def attention_probs(q, k_cache, key_len, mask, scale, causal, window=0, softcap=0.0, eager=False, upcast=False,
+                    softmax_in_dtype=False):
     """The weights ``attention`` gives each key, float32 [B, Hq, Tq, Tmax], for caches written up to ``key_len``
     [B] (int64; the queries are the last Tq of them); the other arguments as ``attention``'s. A query with no
     visible key gets zeros. The reference computes its output from these; the decoder step returns them for
     HF's ``output_attentions`` (the kernels return only the output: computing the weights here, and only on
     the calls that ask, keeps every other call as fast as it was and the weights the reference's, exactly).
     With ``eager`` (and not ``upcast``), fp16 / bf16 scores are formed in their dtype, as HF's eager attention
-    forms them.
+    forms them, and with ``softmax_in_dtype`` weighed by a softmax in that dtype.
     """
     _, q_heads, q_len, _ = q.shape
     max_len = k_cache.shape[2]
@@ -98,12 +101,15 @@ def attention_probs(q, k_cache, key_len, mask, scale, causal, window=0, softcap=
     row_max = scores.amax(-1, keepdim=True)
     weights = torch.exp(scores - row_max.clamp_min(torch.finfo(torch.float32).min))
     denom = weights.sum(-1, keepdim=True)
-    probs = torch.softmax(scores, -1) if eager else weights / denom  # eager: HF's own (float32) softmax
+    if eager and softmax_in_dtype and not upcast:
+        probs = torch.softmax(scores.to(dtype), -1).float()
+    else:
+        probs = torch.softmax(scores, -1) if eager else weights / denom  # eager: HF's own (float32) softmax
     return torch.where(denom > 0, probs, torch.zeros_like(weights))
 
 
 def _attention_fake(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window=0, softcap=0.0,
-                    stepwise=False, eager=False, upcast=False):
+                    stepwise=False, eager=False, upcast=False, softmax_in_dtype=False):
     batch, heads, q_len, head_dim = q.shape
     return q.new_empty((batch, q_len, heads, head_dim))
 

@@ -1,12 +1,15 @@
 """accelerate_model / restore_model as a user sees them: in place, reversible, explicit."""
 
 import copy
+import inspect
+import sys
 
 import accelerate
 import pytest
 import torch
 import transformers as tf
 from models import BUILDERS, build, forward_logits, padded_batch
+from transformers.models.bert.modeling_bert import eager_attention_forward as bert_eager_attention_forward
 
 import lightgen
 from lightgen.adapters.base import patched_summary
@@ -73,6 +76,19 @@ def test_attention_runs_through_lightgen(monkeypatch):
     forward_logits(model, "llama", ids, mask)
     assert model.config._attn_implementation == "lightgen"
     assert len(calls) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_eager_softmax_rounding_is_the_familys(family):
+    """Where a family's eager attention rounds its softmax is read off its function: in the dtype for the BART
+    family, GPT-2, T5 and BERT (which writes ``softmax(attn_weights)``), in float32 for the others (which write
+    ``softmax(..., dtype=torch.float32)``)."""
+    from lightgen.modules import attention as lg_attention
+
+    model = build(family)
+    family_eager = getattr(sys.modules[type(model).__module__], "eager_attention_forward", bert_eager_attention_forward)
+    source = inspect.getsource(family_eager)
+    assert lg_attention.softmax_in_dtype(model) == ("dtype=torch.float32" not in source)
 
 
 def test_training_mode_uses_original_forward_and_backprops():

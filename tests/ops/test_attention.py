@@ -1,3 +1,4 @@
+import importlib
 import random
 
 import pytest
@@ -194,29 +195,57 @@ def test_eager_mode_is_hfs_eager_attention(half, q_heads, kv_heads, q_len, key_l
     assert torch.equal(out[sees], expected[sees])
 
 
+@pytest.mark.parametrize("family", ["gemma2", "bart"])
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("seed", range(6))
-def test_eager_mode_is_hfs_eager_attention_bit_for_bit_on_random_inputs(half, seed):
+def test_eager_mode_is_hfs_eager_attention_bit_for_bit_on_random_inputs(family, half, seed):
     """Drawn shapes, windows, softcaps and paddings against Gemma 2's eager function (the float32 softmax of Llama's
-    and Gemma's families), every value of a query that sees keys equal."""
-    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
-
+    and Gemma's families) and BART's (its softmax in the dtype, as GPT-2's and T5's: ``softmax_in_dtype``; one
+    K/V head per query head, no softcap), every value of a query that sees keys equal."""
+    family_eager = importlib.import_module(f"transformers.models.{family}.modeling_{family}").eager_attention_forward
     r = random.Random(seed)
+    in_dtype = family == "bart"
     kv_heads = r.choice([1, 2])
-    q_heads, q_len, key_len = kv_heads * r.choice([1, 2]), r.choice([1, 1, 9]), r.randrange(16, 800)
-    window, softcap = r.choice([0, 0, r.randrange(2, 500)]), r.choice([0.0, 50.0])
+    q_heads = kv_heads * r.choice([1] if in_dtype else [1, 2])
+    q_len, key_len = r.choice([1, 1, 9]), r.randrange(16, 800)
+    window, softcap = r.choice([0, 0, r.randrange(2, 500)]), r.choice([0.0] if in_dtype else [0.0, 50.0])
     q, k, v, _, _ = _qkv(3, q_heads, kv_heads, q_len, key_len, r.choice([16, 64]), half, seed=seed)
     visible, padding = _causal_visibility(q_len, key_len, window, padded=r.random() < 0.5)
     keep = visible & padding[:, None, None, :]
-    out = ops.attention(q, k, v, mask=padding, causal=True, window=window, softcap=softcap, scale=0.3, eager=True)
+    out = ops.attention(q, k, v, mask=padding, causal=True, window=window, softcap=softcap, scale=0.3, eager=True,
+                        softmax_in_dtype=in_dtype)
     module = torch.nn.Module()
     module.num_key_value_groups, module.training = q_heads // kv_heads, False
     additive = torch.zeros(keep.shape, dtype=half).masked_fill(~keep, torch.finfo(half).min)
     handed = slice(max(0, key_len - q_len - (window - 1)) if window else 0, key_len)  # a sliding layer's cache
-    expected, _ = eager_attention_forward(module, q, k[:, :, handed], v[:, :, handed], additive[..., handed],
-                                          scaling=0.3, softcap=softcap or None)
+    capped = dict(softcap=softcap) if softcap else {}
+    expected, weights = family_eager(module, q, k[:, :, handed], v[:, :, handed], additive[..., handed], scaling=0.3,
+                                     **capped)
     sees = keep.any(-1).squeeze(1)
     assert torch.equal(out[sees], expected[sees])
+    key_len_rows = torch.full((3,), key_len)
+    probs = ops.attention_probs(q, k, key_len_rows, padding, 0.3, True, window, softcap, eager=True,
+                                softmax_in_dtype=in_dtype)[..., handed].to(half)
+    assert torch.equal(probs.transpose(1, 2)[sees], weights.transpose(1, 2)[sees])
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_softmax_in_dtype_is_the_bart_familys_eager_attention(half):
+    """BART's eager function (GPT-2's, T5's) takes its softmax in the dtype: ``softmax_in_dtype`` follows it on
+    64 queries over 437 keys, where the float32 softmax HF's Llama family takes differs (3-8 fp16 values a draw)."""
+    from transformers.models.bart.modeling_bart import eager_attention_forward
+
+    module = torch.nn.Module()
+    module.training = False
+    float32_softmax_differs = 0
+    for seed in range(3):
+        q, k, v, _, _ = _qkv(2, 4, 4, 64, 437, 32, half, seed=seed)
+        expected, _ = eager_attention_forward(module, q, k, v, None, scaling=0.5)
+        out = ops.attention(q, k, v, scale=0.5, eager=True, softmax_in_dtype=True)
+        assert torch.equal(out, expected)
+        float32_softmax = ops.attention(q, k, v, scale=0.5, eager=True)
+        float32_softmax_differs += int((float32_softmax != out).sum())
+    assert half == torch.bfloat16 or float32_softmax_differs > 0, "these draws no longer tell the softmaxes apart"
 
 
 @pytest.mark.parametrize("q_len, key_len", [(1, 37), (1, 300), (9, 9)])

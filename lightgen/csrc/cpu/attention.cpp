@@ -252,9 +252,11 @@ double lowest(const Tensor& q) {
 // HF's eager attention in the dtype, op for op (eager_attention_forward; Gemma 2's with its softcap): the scores'
 // matmul over K/V heads repeated per query head (repeat_kv), scaled, capped, masked (``mask``: bool, hidden keys
 // at the dtype's lowest value as HF's additive mask holds them, or additive), a float32 softmax rounded to the
-// dtype, the values' matmul. A query that sees no key yields zeros here, as the kernel's (the engine spreads it).
+// dtype (``softmax_in_dtype``: torch's softmax in the dtype, as the BART family's, GPT-2's and T5's eager functions
+// take it; the two differ at ~5e-5 of fp16 values), the values' matmul. A query that sees no key yields zeros here,
+// as the kernel's (the engine spreads it).
 Tensor eager_attention(const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& mask,
-                       double scale, double softcap) {
+                       double scale, double softcap, bool softmax_in_dtype) {
   const int64_t group = q.size(1) / k.size(1);
   const Tensor keys = group > 1 ? k.repeat_interleave(group, 1) : k;
   const Tensor values = group > 1 ? v.repeat_interleave(group, 1) : v;
@@ -267,7 +269,8 @@ Tensor eager_attention(const Tensor& q, const Tensor& k, const Tensor& v, const 
   } else if (mask) {
     scores = scores + *mask;
   }
-  Tensor out = at::matmul(at::softmax(scores, -1, at::kFloat).to(q.scalar_type()), values);
+  const Tensor weights = softmax_in_dtype ? at::softmax(scores, -1) : at::softmax(scores, -1, at::kFloat);
+  Tensor out = at::matmul(weights.to(q.scalar_type()), values);
   return sees.defined() ? out.masked_fill(sees.logical_not(), 0) : out;
 }
 
@@ -282,7 +285,7 @@ Tensor eager_attention(const Tensor& q, const Tensor& k, const Tensor& v, const 
 // or float, broadcast; undefined: none), out [B, Tq, Hq, D].
 void attend_with_torch(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& key_len,
                        const Tensor& mask_in, double scale, bool causal, int64_t window, bool stepwise, bool eager,
-                       double softcap, Tensor& out) {
+                       bool softmax_in_dtype, double softcap, Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2);
   const bool gqa = Hq != k.size(1);
   // One query at a time when stepwise (each its own step), else all of a row's queries at once.
@@ -321,7 +324,7 @@ void attend_with_torch(const Tensor& q, const Tensor& k, const Tensor& v, const 
         }
       }
       const Tensor result =
-          eager ? eager_attention(queries, keys, values, mask, scale, softcap)
+          eager ? eager_attention(queries, keys, values, mask, scale, softcap, softmax_in_dtype)
                 : at::scaled_dot_product_attention(queries, keys, values, mask, 0.0, false, scale, gqa);
       out.narrow(0, b0, rows).narrow(1, first_query, per_call).copy_(result.transpose(1, 2));
     }
@@ -339,11 +342,12 @@ void attend_with_torch(const Tensor& q, const Tensor& k, const Tensor& v, const 
 // window); softcap > 0: scores become tanh(s / softcap) * softcap before the mask is added. ``stepwise`` (causal
 // fp16 / bf16 only): each query rounds as HF's one-token step for it would (a verification pass of drafts),
 // not as one prefill. ``eager`` (fp16 / bf16 only): HF's eager attention (its ops), not its sdpa; with ``upcast``
-// the scores stay float32 (GPT-2's reorder_and_upcast_attn, on the kernel).
+// the scores stay float32 (GPT-2's reorder_and_upcast_attn, on the kernel); ``softmax_in_dtype``: its softmax runs
+// in the dtype, not in float32.
 Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::optional<Tensor>& k_new,
                  const c10::optional<Tensor>& v_new, const c10::optional<Tensor>& cache_pos,
                  const c10::optional<Tensor>& mask, double scale, bool causal, int64_t window, double softcap,
-                 bool stepwise, bool eager, bool upcast) {
+                 bool stepwise, bool eager, bool upcast, bool softmax_in_dtype) {
   LG_CHECK_CPU(kOp, q);
   LG_CHECK_CPU(kOp, k_cache);
   LG_CHECK_CPU(kOp, v_cache);
@@ -411,7 +415,7 @@ Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::o
   if (as_torch) {
     const Tensor expanded = mask_keepalive.defined() ? mask_keepalive.expand({B, Hq, Tq, Tmax}) : Tensor();
     attend_with_torch(q, k_cache, v_cache, key_len, expanded, scale, causal, window, stepwise && causal, eager,
-                      softcap, out);
+                      softmax_in_dtype, softcap, out);
   }
   return out;
 }
