@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from importlib import metadata
 
 from packaging.version import Version
@@ -31,6 +32,15 @@ def check_transformers_version(installed: str | None = None) -> None:
             f"lightgen supports transformers >={low},<{high} (tested); found {installed}. "
             f"Install a tested version: pip install 'transformers>={low},<{high}'"
         )
+
+
+@functools.cache
+def sdpa_packs_gqa() -> bool:
+    """Whether HF's sdpa attention hands a masked single query's grouped heads to sdpa as queries of their K/V head
+    (transformers 5.23+), which rounds fp16 / bf16 otherwise than one query with ``enable_gqa``."""
+    from transformers.integrations import sdpa_attention
+
+    return hasattr(sdpa_attention, "pack_gqa")
 
 
 def check_fairseq_version(installed: str | None = None) -> None:

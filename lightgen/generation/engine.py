@@ -314,6 +314,25 @@ def _round_as_eager(state, model, cache, past: int, new: int) -> None:
         state.eager_softmax_in_dtype = lg_attention.softmax_in_dtype(model)
 
 
+def _layout_cache(model, generation_config, model_kwargs, cache):
+    """The cache whose layers say which keys HF's attention gets: ``cache`` (the one the call returns or extends) or,
+    for a ``cache_implementation``, the one HF prepares for the call (its layers allocate nothing before their first
+    update; a static one's size HF takes from earlier calls too)."""
+    if cache is None and generation_config.cache_implementation is not None:
+        _prepare_deferred_cache(model, model_kwargs)
+        key = hf_cache.cache_key(model_kwargs)
+        cache = model_kwargs[key] if key is not None else None
+    return cache
+
+
+def _static_slots(cache) -> tuple[int, ...] | None:
+    """Per layer, the slots of HF's static cache layer (0: a dynamic one), every one of which its attention gets;
+    None without a static layer."""
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    slots = tuple(layer.max_cache_len if isinstance(layer, StaticLayer) else 0 for layer in layers)
+    return slots if any(slots) else None
+
+
 def _eager_key_spans(model, cache, past: int, new: int) -> tuple[KeySpan, ...]:
     """Per layer, the keys HF's cache layer hands attention in a prompt pass of ``new`` positions after ``past`` (as
     the layers' ``update`` returns them; a DynamicCache's without ``cache``). A prompt position that sees no key
@@ -445,6 +464,8 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
     embedding = decoder.spec.token_embedding
     mask_key = "decoder_attention_mask" if model.config.is_encoder_decoder else "attention_mask"
     past = hf_cache.past_length(cache) if cache is not None else 0
+    layout = _layout_cache(model, generation_config, model_kwargs, cache)
+    static_slots = _static_slots(layout)
     embeds = _prompt_embeds(model, model_kwargs)
     # HF feeds the input after the cached positions, or (without a mask of the input's length) all of it again;
     # a prompt given as embeddings always after them.
@@ -454,7 +475,7 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
     prompt_len = embeds.shape[1] if embeds is not None else input_ids.shape[1]
     max_len = generation_config.max_length - input_ids.shape[1] + prompt_len + past - cached
     start = dict(rows=input_ids.shape[0], max_len=max_len, dtype=embedding.dtype, device=embedding.device,
-                 prompt_mask=model_kwargs.get(mask_key))
+                 prompt_mask=_step_mask(model_kwargs.get(mask_key), static_slots))
     if model.config.is_encoder_decoder:
         state = decoder.start(**start, encoder_hidden=model_kwargs["encoder_outputs"][0],
                               encoder_mask=model_kwargs.get("attention_mask"),
@@ -467,7 +488,8 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
     if _observes(generation_config):
         state.observed = Observed(bool(generation_config.output_attentions),
                                   bool(generation_config.output_hidden_states), windows or ())
-    _round_as_eager(state, model, cache, past, prompt_len - cached)
+    _round_as_eager(state, model, layout, past, prompt_len - cached)
+    state.static_slots = static_slots
     try:
         if cache is not None:
             hf_cache.load(state, cache)
@@ -500,6 +522,12 @@ def _prompt_embeds(model, model_kwargs):
     return None if model.config.is_encoder_decoder else model_kwargs.get("inputs_embeds")
 
 
+def _step_mask(mask: torch.Tensor | None, static_slots) -> torch.Tensor | None:
+    """The prompt's mask where HF's attention gets one at every step (a padded prompt, or a static cache's empty
+    slots), else None: with a mask transformers 5.23+'s sdpa runs a grouped-query step otherwise (``pack_gqa``)."""
+    return mask if mask is None or static_slots or not bool(mask.all()) else None
+
+
 def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_processor, aggressive: Aggressive,
                 streamer, model_kwargs):
     decoder = getattr(model, DECODER_ATTR)
@@ -522,13 +550,16 @@ def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_proce
     forced = [int(p.eos_token_id.min()) for p in logits_processor if isinstance(p, ForcedEOSTokenLogitsProcessor)]
     # One row keeps every position to the end (finished rows leave the batch): its cache can be returned.
     cache = _hf_cache(model, generation_config, model_kwargs) if input_ids.shape[0] == 1 else None
+    layout = _layout_cache(model, generation_config, model_kwargs, cache)
+    static_slots = _static_slots(layout)
     encoder_outputs = model_kwargs.get("encoder_outputs")
     if model.config.is_encoder_decoder:
         state = decoder.start(**start, encoder_hidden=encoder_outputs[0], encoder_mask=mask)
     else:
-        state = decoder.start(**start, prompt_mask=mask)
+        state = decoder.start(**start, prompt_mask=_step_mask(mask, static_slots))
     try:
-        _round_as_eager(state, model, None, 0, input_ids.shape[1])
+        _round_as_eager(state, model, layout, 0, input_ids.shape[1])
+        state.static_slots = static_slots
         if aggressive.drafter is None:
             drafts = CopyFromInput(sources)
         else:

@@ -29,6 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.bert.modeling_bert import eager_attention_forward
 
 from lightgen import ops
+from lightgen._compat import sdpa_packs_gqa
 
 IMPLEMENTATION = "lightgen"
 EAGER_IMPLEMENTATION = "lightgen_eager"
@@ -62,7 +63,8 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, is_cau
         return _eager(module, query, key, value, attention_mask, is_causal, eager_model, scaling=scaling,
                       dropout=dropout, **kwargs)
     eager = eager_model and query.dtype != torch.float32
-    rounding = dict(eager=eager, upcast=_upcasts(module), softmax_in_dtype=eager and softmax_in_dtype(module))
+    rounding = dict(eager=eager, upcast=_upcasts(module), softmax_in_dtype=eager and softmax_in_dtype(module),
+                    pack_gqa=sdpa_packs_gqa())
     if softcap is not None:
         if attention_mask is not None:
             return ops.attention(query, key, value, mask=attention_mask[..., :key.shape[-2]], scale=scaling,

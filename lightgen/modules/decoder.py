@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightgen import ops
+from lightgen._compat import sdpa_packs_gqa
 from lightgen.modules import native_step, step_graph
 from lightgen.modules.attention import even_spread, with_even_keyless
 from lightgen.modules.block import BlockSpec, feed_forward, run_block
@@ -186,7 +187,7 @@ class DecodeState:
                  cross_keys=(), cross_values=(), encoder_keep=None, expand: int = 1,
                  position_limit: int | None = None) -> None:
         self.cache = cache
-        self.key_keep = key_keep  # [N, max_len] bool, only when the prompt is padded
+        self.key_keep = key_keep  # [N, max_len] bool, only when the prompt is padded or HF's cache static
         self.next_position = next_position  # [N] int64: position id of each row's next token
         # Positions each row has filled in the cache; rows differ only after a rollback.
         self.lengths = POOL.take(next_position.shape, torch.int64, next_position.device).zero_()
@@ -195,6 +196,7 @@ class DecodeState:
         self.cross_values = list(cross_values)
         self.encoder_keep = encoder_keep  # [B, S] bool
         self.expand = expand  # decoder rows per sentence (beams or returned sequences)
+        self._cross_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # fp16 / bf16: per layer, per row
         self.position_limit = position_limit  # set when steps may run past the position table
         self.cached_prompt = 0  # prompt tokens a caller's cache holds: the first step feeds the rest
         self.position_bias_table = None  # [H, 2 * max_len - 1] with a relative position bias
@@ -209,6 +211,8 @@ class DecodeState:
         # attentions, and the layers after carry them into the cache.
         self.eager_spans: tuple[KeySpan, ...] | None = None
         self.eager_softmax_in_dtype = False  # that eager attention's softmax runs in fp16 / bf16, not float32
+        # Per layer, the slots of HF's static cache layer (0: dynamic), all of which fp16 / bf16 attention gets.
+        self.static_slots: tuple[int, ...] | None = None
         self.in_prompt = False  # during ``prefill``: HF runs it as one pass; every later pass stands for HF's steps
         self.native_plan = None  # the decoder's native_step.Plan for this request, once a step asked for it
         self.step_graph: step_graph.StepGraph | None = None  # on a GPU, once a one-token step ran
@@ -247,6 +251,18 @@ class DecodeState:
         self.next_position -= rejected
         self.cache.length = int(self.lengths.max())
 
+    def cross_attended(self, index: int, dtype: torch.dtype):
+        """(keys, values, keep) that layer ``index``'s cross-attention runs on: one sentence's, whose decoder rows
+        (beams) attend as extra queries; in fp16 / bf16 each row's, as HF's cache holds them, since torch's sdpa
+        and matmuls round a sentence's beams as one block of queries otherwise than each row alone."""
+        keys, values, keep = self.cross_keys[index], self.cross_values[index], self.encoder_keep
+        if dtype == torch.float32 or self.expand == 1:
+            return keys, values, keep
+        if index not in self._cross_rows:
+            self._cross_rows[index] = (keys.repeat_interleave(self.expand, 0),
+                                       values.repeat_interleave(self.expand, 0))
+        return *self._cross_rows[index], keep.repeat_interleave(self.expand, 0)
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished rows (one row per sentence): the rest keep decoding at smaller shapes."""
         if self.expand != 1:
@@ -265,16 +281,33 @@ class DecodeState:
         POOL.give_back(*self._pooled)
 
 
-def _spread_keyless(state: DecodeState, span: KeySpan, window: int, values: torch.Tensor,
-                    out: torch.Tensor) -> torch.Tensor:
-    """A prompt pass's ``out`` [N, T, H, D] with eager's result at the positions that see no key (padding before
-    a row's first real token, within ``window``): the mean of the values HF's cache layer hands attention."""
+def _spread_keyless(state: DecodeState, span: KeySpan, attn: AttentionWeights, query: torch.Tensor,
+                    keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+    """A prompt pass's ``out`` [N, T, H, D] with eager's result at the positions that see no key (padding before a
+    row's first real token, within the window), where each key HF's cache layer hands attention is masked at the
+    dtype's lowest. float32's lowest absorbs every score: an even spread, the mean of the values. In fp16 / bf16
+    eager's own ops run on those keys: fp16's -65504 does not absorb scores of 16 and more, which round it apart
+    (all to -inf: NaN, which HF's row carries on); their (rows, steps, weights [K, H, 1, keys]) come back too, else
+    None."""
     past, end = state.cache.length, state.cache.length + out.shape[1]
     seen = torch.nn.functional.pad(state.key_keep[:, :end].cumsum(-1), (1, 0))  # [:, k]: kept keys before slot k
-    query = torch.arange(past, end, device=out.device)
-    first = (query - window + 1).clamp_min(0) if window else torch.zeros_like(query)
-    keyless = seen[:, query + 1] == seen[:, first]
-    return with_even_keyless(out, lambda: even_spread(values[:, :, span.first:end], span.keys), keyless)
+    positions = torch.arange(past, end, device=out.device)
+    first = (positions - attn.window + 1).clamp_min(0) if attn.window else torch.zeros_like(positions)
+    keyless = seen[:, positions + 1] == seen[:, first]
+    if out.dtype == torch.float32 or attn.upcast or not bool(keyless.any()):
+        return with_even_keyless(out, lambda: even_spread(values[:, :, span.first:end], span.keys), keyless), None
+    rows, steps = keyless.nonzero(as_tuple=True)
+    empty = span.keys - (end - span.first)  # a static cache layer's slots past the prompt: zeros in HF's
+    handed = [torch.nn.functional.pad(cache[rows, :, span.first:end], (0, 0, 0, empty)).repeat_interleave(
+        query.shape[1] // cache.shape[1], dim=1) for cache in (keys, values)]
+    scores = torch.matmul(query[rows, :, steps].unsqueeze(2), handed[0].transpose(-1, -2)) * attn.score_scale
+    if attn.softcap:
+        scores = torch.tanh(scores / attn.softcap) * attn.softcap
+    scores = scores + torch.finfo(scores.dtype).min
+    weights = (torch.softmax(scores, -1) if state.eager_softmax_in_dtype
+               else torch.softmax(scores, -1, dtype=torch.float32).to(scores.dtype))
+    out[rows, steps] = torch.matmul(weights, handed[1])[:, :, 0]
+    return out, (rows, steps, weights)
 
 
 def _select_rows(t: torch.Tensor, rows: torch.Tensor, in_place: bool) -> torch.Tensor:
@@ -551,30 +584,43 @@ class Decoder:
         if rotary is not None:
             query, key = self.spec.apply_rotary(query, key, *rotary)
         keys, values = state.cache.layer(index)
+        static_slots = state.static_slots[index] if state.static_slots else 0
         out = ops.attention(query, keys, values, key, value, state.lengths, mask, attn.score_scale, True,
                             attn.window, attn.softcap, stepwise=not state.in_prompt, eager=state.eager,
-                            upcast=attn.upcast, softmax_in_dtype=state.eager_softmax_in_dtype)
+                            upcast=attn.upcast, softmax_in_dtype=state.eager_softmax_in_dtype,
+                            pack_gqa=sdpa_packs_gqa(), static_slots=static_slots)
+        keyless = None
         if state.spreading:
-            out = _spread_keyless(state, state.eager_spans[index], attn.window, values, out)
+            out, keyless = _spread_keyless(state, state.eager_spans[index], attn, query, keys, values, out)
         if weights is not None:
-            probs = ops.attention_probs(query, keys, state.lengths + length, mask, attn.score_scale, True,
+            # Over the keys HF's cache layer hands (a full window's last ones): fp16 / bf16 scores round with their
+            # matmul's width.
+            first = max(0, state.cache.length - attn.window + 1) if attn.window else 0
+            end = state.cache.length + length
+            probs = ops.attention_probs(query, keys[:, :, first:end], state.lengths + length - first,
+                                        None if mask is None else mask[..., first:end], attn.score_scale, True,
                                         attn.window, attn.softcap, state.eager, attn.upcast,
                                         state.eager_softmax_in_dtype)
-            weights.append((probs.to(query.dtype), state.cache.length, state.cache.length + length))
+            probs = torch.nn.functional.pad(probs, (first, keys.shape[2] - end))
+            if keyless is not None:  # fp16 / bf16: eager's own weights there, over the keys HF's cache handed
+                rows_without, steps_without, handed_weights = keyless
+                probs[rows_without, :, steps_without, first:end] = handed_weights[:, :, 0, :end - first].float()
+            weights.append((probs.to(query.dtype), state.cache.length, end))
         return apply_linear(attn.out, out.view(rows, length, -1))
 
     def _cross_attention(self, state: DecodeState, index: int, attn: AttentionWeights, h: torch.Tensor,
                          weights: list | None = None):
         rows, length, _ = h.shape
-        sentences, expand = rows // state.expand, state.expand
-        # Each sentence's rows (beams) become extra queries over that sentence's encoder K/V.
+        keys, values, keep = state.cross_attended(index, h.dtype)
+        sentences = keys.shape[0]
+        expand = rows // sentences
+        # Each sentence's rows (beams) become extra queries over that sentence's encoder K/V (or rows of their own).
         query = apply_linear(attn.q, h).view(sentences, expand * length, attn.heads, -1).transpose(1, 2)
-        keys = state.cross_keys[index]
-        out = ops.attention(query, keys, state.cross_values[index], None, None, None, state.encoder_keep,
-                            attn.scaling, False, eager=state.eager, softmax_in_dtype=state.eager_softmax_in_dtype)
+        out = ops.attention(query, keys, values, None, None, None, keep, attn.scaling, False, eager=state.eager,
+                            softmax_in_dtype=state.eager_softmax_in_dtype)
         if weights is not None:  # [sentences, H, expand * T, S] -> per decoder row [rows, H, T, S]
             probs = ops.attention_probs(query, keys, torch.full((sentences,), keys.shape[2], device=h.device),
-                                        state.encoder_keep, attn.scaling, False, eager=state.eager,
+                                        keep, attn.scaling, False, eager=state.eager,
                                         softmax_in_dtype=state.eager_softmax_in_dtype)
             weights.append(probs.to(query.dtype).view(sentences, attn.heads, expand, length, -1).transpose(1, 2)
                            .reshape(rows, attn.heads, length, -1))

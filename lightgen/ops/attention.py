@@ -13,8 +13,11 @@ kernel HF's sdpa runs there (PyTorch's CPU flash attention): as one prefill, or 
 each query as HF's one-token step for it would (a verification pass of drafts); with ``eager`` as HF's eager
 attention (scores, their scaling, softcap and mask each rounded to the dtype, the softmax in float32 rounded before
 it weighs the values, or with ``softmax_in_dtype`` the softmax in the dtype, as the BART family's, GPT-2's and T5's
-eager functions take it; ``upcast`` keeps the scores in float32, as GPT-2's ``reorder_and_upcast_attn``). float32
-ignores them.
+eager functions take it; ``upcast`` keeps the scores in float32, as GPT-2's ``reorder_and_upcast_attn``); with
+``pack_gqa`` a single query's grouped heads go to sdpa as queries of their K/V head where HF's sdpa gets a mask (a
+``mask`` is given, or the window is full), as transformers 5.23+ hands them; ``static_slots`` > 0: the slots of
+HF's static cache layer, every one of which (the unwritten ones zeros, masked) its attention gets. float32 ignores
+them.
 Returns [B, Tq, Hq, D], the layout the output projection reads.
 """
 
@@ -27,15 +30,16 @@ from lightgen import _build
 
 def attention(q, k_cache, v_cache, k_new=None, v_new=None, cache_pos=None, mask=None, scale=None, causal=False,
               window: int = 0, softcap: float = 0.0, stepwise: bool = False, eager: bool = False,
-              upcast: bool = False, softmax_in_dtype: bool = False):
+              upcast: bool = False, softmax_in_dtype: bool = False, pack_gqa: bool = False, static_slots: int = 0):
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return _build.op("attention")(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window, softcap,
-                                  stepwise, eager, upcast, softmax_in_dtype)
+                                  stepwise, eager, upcast, softmax_in_dtype, pack_gqa, static_slots)
 
 
 def attention_ref(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window=0, softcap=0.0,
-                  stepwise=False, eager=False, upcast=False, softmax_in_dtype=False):
+                  stepwise=False, eager=False, upcast=False, softmax_in_dtype=False, pack_gqa=False,
+                  static_slots=0):
     if window < 0 or softcap < 0:
         raise RuntimeError(f"lightgen.attention: 'window' and 'softcap' must be >= 0 (0: none), got {window}, {softcap}")
     batch, q_heads, q_len, _ = q.shape
@@ -109,7 +113,8 @@ def attention_probs(q, k_cache, key_len, mask, scale, causal, window=0, softcap=
 
 
 def _attention_fake(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window=0, softcap=0.0,
-                    stepwise=False, eager=False, upcast=False, softmax_in_dtype=False):
+                    stepwise=False, eager=False, upcast=False, softmax_in_dtype=False, pack_gqa=False,
+                    static_slots=0):
     batch, heads, q_len, head_dim = q.shape
     return q.new_empty((batch, q_len, heads, head_dim))
 

@@ -107,6 +107,46 @@ def test_half_precision_scores_are_hfs_bit_for_bit(family, dtype, attention):
         assert torch.equal(mine, theirs), f"step {step}"
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "bart"])
+@pytest.mark.parametrize("gain", [20.0, 16.0], ids=["apart", "nan"])
+def test_fp16_eager_positions_without_keys_are_hfs_bit_for_bit(family, gain):
+    """A padded prompt position sees no key: HF's eager attention adds fp16's lowest (-65504) to every score there,
+    which does not absorb scores of 16 and more (the weights are not even; all at -inf: NaN, which HF's row then
+    carries). Scaled-up query / key weights make such scores: outputs, attention weights and hidden states are
+    HF's bit for bit, NaN where HF's are."""
+    model = build(family, seed=2, dtype=torch.float16)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(part in name for part in ("q_proj", "k_proj", "c_attn")) and "decoder" not in name.split(".")[0]:
+                param.mul_(gain)
+    reference = copy.deepcopy(model)
+    ids, mask = padded_batch(family, 3, 9, seed=2)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, output_scores=True, output_attentions=True,
+                  output_hidden_states=True, return_dict_in_generate=True)
+    expected = reference.generate(**kwargs)
+    got = lightgen.accelerate_model(model).generate(**kwargs)
+    attentions = "decoder_attentions" if model.config.is_encoder_decoder else "attentions"
+    uneven = False
+    for name in ("sequences", "scores", attentions, "hidden_states", "decoder_hidden_states", "cross_attentions"):
+        mine, theirs = getattr(got, name, None), getattr(expected, name, None)
+        for a, b in zip(_flat(mine), _flat(theirs), strict=True):
+            assert a.shape == b.shape and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(),
+                                                                                          b.nan_to_num()), name
+    for layer in _flat(getattr(expected, attentions)[0]):
+        spread = layer.float().nan_to_num(2.0)
+        uneven |= bool((spread.amax(-1) - spread.amin(-1) > 0.5).any())  # some weights far from even
+    assert uneven or model.config.is_encoder_decoder
+
+
+def _flat(value):
+    if value is None:
+        return []
+    if isinstance(value, (tuple, list)):
+        return [leaf for item in value for leaf in _flat(item)]
+    return [value]
+
+
 def _eager_bf16(family: str, seed: int = 0):
     """``family``'s test model in bf16 on HF's eager attention; "gpt2_upcast": GPT-2 with reorder_and_upcast_attn,
     whose eager attention forms the scores in float32."""

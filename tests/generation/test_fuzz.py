@@ -676,9 +676,11 @@ def _budget_seconds() -> float:
     return float(os.environ.get("LIGHTGEN_FUZZ_SECONDS", "90"))
 
 
-def test_fuzz():
+def _fuzz(run, described_by: int) -> None:
+    """``run`` cases for the budget (``LIGHTGEN_FUZZ_CASE``: that one alone); a case's description's first
+    ``described_by`` words count its kind."""
     if os.environ.get("LIGHTGEN_FUZZ_CASE"):
-        print(run_case(int(os.environ["LIGHTGEN_FUZZ_CASE"])))
+        print(run(int(os.environ["LIGHTGEN_FUZZ_CASE"])))
         return
     base = int(os.environ.get("LIGHTGEN_FUZZ_SEED", time.time_ns() % 10**9))
     deadline = time.monotonic() + _budget_seconds()
@@ -686,15 +688,102 @@ def test_fuzz():
     while time.monotonic() < deadline:
         seed = base * 100000 + cases
         try:
-            kinds[" ".join(run_case(seed).split()[:2])] += 1
+            kinds[" ".join(run(seed).split()[:described_by])] += 1
         except AssertionError as error:
             failures.append(f"LIGHTGEN_FUZZ_CASE={seed}: {error}")
         cases += 1
-    print(f"fuzz: {cases} cases from base seed {base}, {len(failures)} differ from HF; by family and mode: "
+    print(f"fuzz: {cases} cases from base seed {base}, {len(failures)} differ from HF; by kind: "
           f"{dict(sorted(kinds.items()))}")
     if failures:
         pytest.fail(f"{len(failures)} of {cases} fuzz cases (base seed {base}) differ from HF; rerun one with the "
                     f"variable shown:\n" + "\n\n".join(failures))
+
+
+def test_fuzz():
+    _fuzz(run_case, 2)
+
+
+def run_half_case(seed: int) -> str:
+    """Case ``seed`` in fp16 or bf16 (HF's sdpa, or its eager attention), greedy, sampling, beam search (some on a
+    static cache), IAD or GAD: lightgen's sequences, scores, logits, sequences_scores, beam_indices (and, on eager,
+    attentions and hidden states) must be HF's bit for bit in the same dtype (IAD's and GAD's sequences HF
+    greedy's), NaN where HF's are. Raises AssertionError otherwise."""
+    r = random.Random(seed)
+    family = r.choice(FAMILIES)
+    model = _model(family, _config(family, r), r, seed)
+    dtype = r.choice([torch.float16, torch.bfloat16])
+    model = model.to(dtype)
+    if r.random() < 0.3:
+        model.config._attn_implementation = "eager"  # the model's and every sub-config's
+        for module in model.modules():
+            if getattr(module, "config", None) is not None:
+                module.config._attn_implementation = "eager"
+    vocab = model.config.vocab_size
+    ids, mask = _batch(family, vocab, r)
+    mode, settings = _settings(r, family, vocab, ids.shape[1])
+    lightgen_only = {}
+    if mode in ("iad", "gad"):
+        lightgen_only["decoding"] = mode
+        if "max_draft" in settings:
+            lightgen_only["max_draft"] = settings.pop("max_draft")
+        if mode == "gad":
+            lightgen_only["drafter"] = _drafter(r, model.config, vocab, seed)
+    if model.config._attn_implementation == "eager" and r.random() < 0.3:  # sdpa has no attention weights
+        settings.update(output_attentions=True, output_hidden_states=True)
+    if not lightgen_only and not settings.get("output_attentions") and r.random() < 0.2:
+        settings["cache_implementation"] = "static"  # (attentions of a static cache: HF's loop, README)
+    settings.update(return_dict_in_generate=True, output_scores=True, output_logits=True)
+    kwargs = dict(input_ids=ids, attention_mask=mask, pad_token_id=PAD, **settings)
+    accelerated = lightgen.accelerate_model(copy.deepcopy(model))
+    outcome = {}
+    for name, target, extra in (("hf", model, {}), ("lightgen", accelerated, lightgen_only)):
+        torch.manual_seed(seed)  # sampling: the same draws from the same scores
+        try:
+            with warnings.catch_warnings(), torch.no_grad():
+                warnings.simplefilter("ignore")
+                outcome[name] = target.generate(**kwargs, **extra)
+        except Exception as error:  # noqa: BLE001 - the oracle's errors are part of its behavior
+            outcome[name] = error
+    hf, mine = outcome["hf"], outcome["lightgen"]
+    description = f"{family} {str(dtype).removeprefix('torch.')} {model.config._attn_implementation} {mode} " \
+                  f"rows={ids.shape[0]} len={ids.shape[1]} {settings} {lightgen_only or ''}"
+    if isinstance(hf, Exception) or isinstance(mine, Exception):
+        assert type(hf) is type(mine), f"{description}\nHF: {hf!r}; lightgen: {mine!r}"
+        return description + f" (both raise {type(hf).__name__})"
+    fields = ("sequences",) if lightgen_only else ("sequences", "scores", "logits", "sequences_scores", "beam_indices",
+                                                   *OBSERVED)
+    for field in fields:
+        assert _bitwise(getattr(mine, field, None), getattr(hf, field, None)), \
+            f"{description}\n{field} differ: {getattr(mine, field, None)}\nvs HF\n{getattr(hf, field, None)}"
+    return description
+
+
+OBSERVED = ("attentions", "hidden_states", "encoder_attentions", "encoder_hidden_states", "decoder_attentions",
+            "cross_attentions", "decoder_hidden_states")
+
+
+def _bitwise(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_bitwise(x, y) for x, y in zip(a, b))
+    return a.shape == b.shape and a.dtype == b.dtype and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def test_fuzz_half_precision():
+    _fuzz(run_half_case, 4)
+
+
+# Found by the half-precision fuzz before the fixes (1 to 2 of ~16,000 cases each): a Qwen2 fp16 step of a padded
+# batch (transformers 5.23+'s sdpa packs a masked query's grouped heads), M2M100 fp16 beams (each beam's
+# cross-attention a row of its own, as HF's cache holds them), BART bf16 beams (a 12-wide LayerNorm's partial
+# vector), and a Qwen2 fp16 eager GAD whose padded row's prompt position saw no key (HF's masked scores round to -inf:
+# NaN, which the row carries on). And (1 of 1668) a Gemma fp16 eager step's attention weights formed over every cache
+# slot, where HF's matmul spans the keys its cache hands. And static caches (30 of 3510 cases with the op's
+# static_slots off): Qwen2 fp16 beams, Qwen3 fp16 eager beams, Gemma 3 bf16 sampling (sliding layers).
+@pytest.mark.parametrize("seed", [712774, 704749, 707956, 714417, 900083, 1100147, 1100345, 1101028])
+def test_fuzz_half_precision_regressions(seed):
+    run_half_case(seed)
 
 
 @pytest.mark.parametrize("seed", sorted(REGRESSIONS), ids=lambda s: f"{s}-{REGRESSIONS[s]}")

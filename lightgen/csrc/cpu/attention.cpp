@@ -285,7 +285,7 @@ Tensor eager_attention(const Tensor& q, const Tensor& k, const Tensor& v, const 
 // or float, broadcast; undefined: none), out [B, Tq, Hq, D].
 void attend_with_torch(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& key_len,
                        const Tensor& mask_in, double scale, bool causal, int64_t window, bool stepwise, bool eager,
-                       bool softmax_in_dtype, double softcap, Tensor& out) {
+                       bool softmax_in_dtype, bool pack_gqa, int64_t static_slots, double softcap, Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2);
   const bool gqa = Hq != k.size(1);
   // One query at a time when stepwise (each its own step), else all of a row's queries at once.
@@ -298,21 +298,38 @@ void attend_with_torch(const Tensor& q, const Tensor& k, const Tensor& v, const 
     for (int64_t b0 = 0; b0 < B; b0 += shared ? B : 1) {
       const int64_t rows = shared ? B : 1;
       const KeySpan span = spans[b0];
-      const int64_t width = span.end - span.origin;
+      // HF's static cache layer hands every one of its ``static_slots`` (the unwritten ones zeros, masked) until a
+      // sliding one is full, but sdpa's first prompt pass without padding takes the prompt's keys (is_causal).
+      const bool unpadded_prompt = !eager && per_call > 1 && span.past == 0 &&
+                                   (!mask_in.defined() || mask_in.narrow(3, 0, span.end).all().item<bool>());
+      const int64_t end = static_slots > 0 && span.end <= static_slots && !(window == 0 && unpadded_prompt)
+                              ? static_slots : span.end;
+      const int64_t width = end - span.origin, written = span.end - span.origin;
       Tensor queries = q.narrow(0, b0, rows).narrow(2, first_query, per_call);
-      Tensor keys = k.narrow(0, b0, rows).narrow(2, span.origin, width);
-      Tensor values = v.narrow(0, b0, rows).narrow(2, span.origin, width);
-      // One query sees every key of its own span (causal up to itself, the window from its first); several need
-      // a causal (and window) mask among them.
+      Tensor keys = k.narrow(0, b0, rows).narrow(2, span.origin, written);
+      Tensor values = v.narrow(0, b0, rows).narrow(2, span.origin, written);
+      if (end > span.end) {
+        const Tensor empty = at::zeros({rows, k.size(1), end - span.end, k.size(3)}, k.options());
+        keys = at::cat({keys, empty}, 2);
+        values = at::cat({values, empty}, 2);
+      }
+      // One query sees every key of its own span (causal up to itself, the window from its first); several, or
+      // empty slots, need a causal (and window) mask.
       Tensor visible;
-      if (per_call > 1) {
-        const Tensor positions = at::arange(span.origin, span.end, q.options().dtype(at::kLong));
+      if (per_call > 1 || end > span.end) {
+        const Tensor positions = at::arange(span.origin, end, q.options().dtype(at::kLong));
         const Tensor slots = at::arange(span.past, span.past + per_call, positions.options()).unsqueeze(1);
         visible = causal ? positions.le(slots) : at::ones({per_call, width}, positions.options().dtype(at::kBool));
         if (window > 0) visible = visible.logical_and(positions.gt(slots - window));
       }
-      const Tensor given = mask_in.defined()
-          ? mask_in.narrow(0, b0, rows).narrow(2, first_query, per_call).narrow(3, span.origin, width) : Tensor();
+      Tensor given;
+      if (mask_in.defined()) {
+        const int64_t held = std::min(end, mask_in.size(3)) - span.origin;  // past the mask: empty slots, hidden
+        given = mask_in.narrow(0, b0, rows).narrow(2, first_query, per_call).narrow(3, span.origin, held);
+        if (held < width) {
+          given = at::cat({given, at::zeros({rows, given.size(1), per_call, width - held}, given.options())}, 3);
+        }
+      }
       c10::optional<Tensor> mask;
       if (given.defined() && given.scalar_type() != at::kBool) {
         const Tensor bias = visible.defined() ? given.masked_fill(visible.logical_not(), lowest(q)) : given;
@@ -323,9 +340,22 @@ void attend_with_torch(const Tensor& q, const Tensor& k, const Tensor& v, const 
           mask = visible.dim() == 2 ? visible.view({1, 1, per_call, width}) : visible;
         }
       }
-      const Tensor result =
-          eager ? eager_attention(queries, keys, values, mask, scale, softcap, softmax_in_dtype)
-                : at::scaled_dot_product_attention(queries, keys, values, mask, 0.0, false, scale, gqa);
+      // HF hands sdpa a mask where the prompt was padded (``mask_in``) or the window is full, and from transformers
+      // 5.23 on (``pack_gqa``) a single query's grouped heads then go in as queries of their K/V head: other query
+      // blocks, other roundings (~5-25% of fp16 calls differ by an ulp).
+      const bool packed = pack_gqa && gqa && per_call == 1 && (mask_in.defined() || (window > 0 && width >= window));
+      Tensor result;
+      if (eager) {
+        result = eager_attention(queries, keys, values, mask, scale, softcap, softmax_in_dtype);
+      } else if (packed) {
+        const int64_t kv_heads = k.size(1), group_size = Hq / kv_heads, D = q.size(3);
+        if (mask && mask->size(1) != 1) mask = mask->reshape({rows, kv_heads, group_size, width});
+        result = at::scaled_dot_product_attention(queries.reshape({rows, kv_heads, group_size, D}), keys, values,
+                                                  mask, 0.0, false, scale)
+                     .reshape({rows, Hq, 1, D});
+      } else {
+        result = at::scaled_dot_product_attention(queries, keys, values, mask, 0.0, false, scale, gqa);
+      }
       out.narrow(0, b0, rows).narrow(1, first_query, per_call).copy_(result.transpose(1, 2));
     }
   }
@@ -343,11 +373,14 @@ void attend_with_torch(const Tensor& q, const Tensor& k, const Tensor& v, const 
 // fp16 / bf16 only): each query rounds as HF's one-token step for it would (a verification pass of drafts),
 // not as one prefill. ``eager`` (fp16 / bf16 only): HF's eager attention (its ops), not its sdpa; with ``upcast``
 // the scores stay float32 (GPT-2's reorder_and_upcast_attn, on the kernel); ``softmax_in_dtype``: its softmax runs
-// in the dtype, not in float32.
+// in the dtype, not in float32. ``pack_gqa`` (fp16 / bf16 sdpa): as transformers 5.23+'s sdpa_attention_forward,
+// which hands a masked single query's grouped heads to sdpa as queries of their K/V head (pack_gqa).
+// ``static_slots`` > 0 (fp16 / bf16): the slots of HF's static cache layer, every one of which its attention gets.
 Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::optional<Tensor>& k_new,
                  const c10::optional<Tensor>& v_new, const c10::optional<Tensor>& cache_pos,
                  const c10::optional<Tensor>& mask, double scale, bool causal, int64_t window, double softcap,
-                 bool stepwise, bool eager, bool upcast, bool softmax_in_dtype) {
+                 bool stepwise, bool eager, bool upcast, bool softmax_in_dtype, bool pack_gqa,
+                 int64_t static_slots) {
   LG_CHECK_CPU(kOp, q);
   LG_CHECK_CPU(kOp, k_cache);
   LG_CHECK_CPU(kOp, v_cache);
@@ -415,7 +448,7 @@ Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::o
   if (as_torch) {
     const Tensor expanded = mask_keepalive.defined() ? mask_keepalive.expand({B, Hq, Tq, Tmax}) : Tensor();
     attend_with_torch(q, k_cache, v_cache, key_len, expanded, scale, causal, window, stepwise && causal, eager,
-                      softmax_in_dtype, softcap, out);
+                      softmax_in_dtype, pack_gqa, static_slots, softcap, out);
   }
   return out;
 }

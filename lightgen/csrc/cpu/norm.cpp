@@ -131,10 +131,13 @@ void norm_rows(const NormArgs& a, const Tensor& x, const Tensor* residual, const
 
 // Where no row kernel rounds as the model does, its own composite runs: LayerNorm without bias, float LayerNorm
 // whose width is not a multiple of 8 (the moments' scalar tail: torch's build leaves a product unfused that ours
-// fuses, one ulp at ~0.6% of values), and double rows.
+// fuses, one ulp at ~0.6% of values), bf16 LayerNorm whose width is not a multiple of 16 (its partial vector:
+// an fp32 ulp that flips bf16's rounding at ~5e-6 of values, widths 4-31; fp16 rounds as torch's), and double rows.
 bool norm_needs_composite(const NormArgs& a, const Tensor& x, const c10::optional<Tensor>& bias) {
   if (x.scalar_type() == at::kDouble) return true;
-  return !a.rms && (!bias || (x.scalar_type() == at::kFloat && x.size(-1) % 8));
+  const int64_t width = x.size(-1);
+  return !a.rms && (!bias || (x.scalar_type() == at::kFloat && width % 8) ||
+                    (x.scalar_type() == at::kBFloat16 && width % 16));
 }
 
 std::tuple<Tensor, Tensor> norm_composite(const NormArgs& a, const Tensor& x, const Tensor* residual,

@@ -140,8 +140,8 @@ void dispatch_chunks(int64_t dim, F&& f) {
 Tensor attention(const Tensor& q, Tensor& k_cache, Tensor& v_cache, const c10::optional<Tensor>& k_new,
                  const c10::optional<Tensor>& v_new, const c10::optional<Tensor>& cache_pos,
                  const c10::optional<Tensor>& mask, double scale, bool causal, int64_t window, double softcap,
-                 bool /*stepwise*/, bool /*eager*/, bool /*upcast*/,
-                 bool /*softmax_in_dtype: these four are the CPU kernels' fp16 / bf16 rounding, as PyTorch's CPU's*/) {
+                 bool /*stepwise*/, bool /*eager*/, bool /*upcast*/, bool /*softmax_in_dtype*/, bool /*pack_gqa*/,
+                 int64_t /*static_slots: these six are the CPU kernels' fp16 / bf16 rounding, as PyTorch's CPU's*/) {
   LG_CHECK_CUDA(kOp, q);
   LG_CHECK_FLOAT(kOp, q);
   LG_CHECK_CUDA_LIKE(kOp, q, k_cache);

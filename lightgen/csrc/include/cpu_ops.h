@@ -37,6 +37,7 @@ at::Tensor attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cac
                      const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
                      const c10::optional<at::Tensor>& cache_pos, const c10::optional<at::Tensor>& mask, double scale,
                      bool causal, int64_t window, double softcap, bool stepwise = false, bool eager = false,
-                     bool upcast = false, bool softmax_in_dtype = false);
+                     bool upcast = false, bool softmax_in_dtype = false, bool pack_gqa = false,
+                     int64_t static_slots = 0);
 
 }  // namespace lightgen
