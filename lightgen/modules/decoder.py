@@ -286,28 +286,38 @@ def _spread_keyless(state: DecodeState, span: KeySpan, attn: AttentionWeights, q
     """A prompt pass's ``out`` [N, T, H, D] with eager's result at the positions that see no key (padding before a
     row's first real token, within the window), where each key HF's cache layer hands attention is masked at the
     dtype's lowest. float32's lowest absorbs every score: an even spread, the mean of the values. In fp16 / bf16
-    eager's own ops run on those keys: fp16's -65504 does not absorb scores of 16 and more, which round it apart
-    (all to -inf: NaN, which HF's row carries on); their (rows, steps, weights [K, H, 1, keys]) come back too, else
-    None."""
+    eager's own ops run on those keys, over each such row's queries as HF's matmuls take them: fp16's -65504 does
+    not absorb scores of 16 and more, which round it apart (all to -inf: NaN, which HF's row carries on), and GPT-2's
+    upcast attention adds it to float32 scores, a softmax over the scores. Their (rows, steps, weights [K, H, keys])
+    come back too, else None."""
     past, end = state.cache.length, state.cache.length + out.shape[1]
     seen = torch.nn.functional.pad(state.key_keep[:, :end].cumsum(-1), (1, 0))  # [:, k]: kept keys before slot k
     positions = torch.arange(past, end, device=out.device)
     first = (positions - attn.window + 1).clamp_min(0) if attn.window else torch.zeros_like(positions)
     keyless = seen[:, positions + 1] == seen[:, first]
-    if out.dtype == torch.float32 or attn.upcast or not bool(keyless.any()):
+    if out.dtype == torch.float32 or not bool(keyless.any()):
         return with_even_keyless(out, lambda: even_spread(values[:, :, span.first:end], span.keys), keyless), None
-    rows, steps = keyless.nonzero(as_tuple=True)
+    affected = keyless.any(-1).nonzero().flatten()
     empty = span.keys - (end - span.first)  # a static cache layer's slots past the prompt: zeros in HF's
-    handed = [torch.nn.functional.pad(cache[rows, :, span.first:end], (0, 0, 0, empty)).repeat_interleave(
+    handed = [torch.nn.functional.pad(cache[affected, :, span.first:end], (0, 0, 0, empty)).repeat_interleave(
         query.shape[1] // cache.shape[1], dim=1) for cache in (keys, values)]
-    scores = torch.matmul(query[rows, :, steps].unsqueeze(2), handed[0].transpose(-1, -2)) * attn.score_scale
-    if attn.softcap:
-        scores = torch.tanh(scores / attn.softcap) * attn.softcap
-    scores = scores + torch.finfo(scores.dtype).min
-    weights = (torch.softmax(scores, -1) if state.eager_softmax_in_dtype
-               else torch.softmax(scores, -1, dtype=torch.float32).to(scores.dtype))
-    out[rows, steps] = torch.matmul(weights, handed[1])[:, :, 0]
-    return out, (rows, steps, weights)
+    queries, lowest = query[affected], torch.finfo(out.dtype).min
+    if attn.upcast:  # GPT-2's reorder_and_upcast_attn: float32 scores (baddbmm), the dtype's mask added to them
+        flat_keys = handed[0].transpose(-1, -2).flatten(0, 1)
+        scores = torch.baddbmm(flat_keys.new_empty(flat_keys.shape[0], queries.shape[2], flat_keys.shape[2]).float(),
+                               queries.flatten(0, 1).float(), flat_keys.float(), beta=0, alpha=attn.score_scale)
+        weights = torch.softmax(scores.view(*queries.shape[:3], -1) + lowest, -1).to(out.dtype)
+    else:
+        scores = torch.matmul(queries, handed[0].transpose(-1, -2)) * attn.score_scale
+        if attn.softcap:
+            scores = torch.tanh(scores / attn.softcap) * attn.softcap
+        scores = scores + lowest
+        weights = (torch.softmax(scores, -1) if state.eager_softmax_in_dtype
+                   else torch.softmax(scores, -1, dtype=torch.float32).to(scores.dtype))
+    rows, steps = keyless.nonzero(as_tuple=True)
+    within = torch.searchsorted(affected, rows)  # each keyless position's row among the affected ones
+    out[rows, steps] = torch.matmul(weights, handed[1])[within, :, steps]
+    return out, (rows, steps, weights[within, :, steps])
 
 
 def _select_rows(t: torch.Tensor, rows: torch.Tensor, in_place: bool) -> torch.Tensor:
@@ -604,7 +614,7 @@ class Decoder:
             probs = torch.nn.functional.pad(probs, (first, keys.shape[2] - end))
             if keyless is not None:  # fp16 / bf16: eager's own weights there, over the keys HF's cache handed
                 rows_without, steps_without, handed_weights = keyless
-                probs[rows_without, :, steps_without, first:end] = handed_weights[:, :, 0, :end - first].float()
+                probs[rows_without, :, steps_without, first:end] = handed_weights[..., :end - first].float()
             weights.append((probs.to(query.dtype), state.cache.length, end))
         return apply_linear(attn.out, out.view(rows, length, -1))
 

@@ -107,21 +107,20 @@ def test_half_precision_scores_are_hfs_bit_for_bit(family, dtype, attention):
         assert torch.equal(mine, theirs), f"step {step}"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "bart"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "gpt2_upcast", "bart"])
 @pytest.mark.parametrize("gain", [20.0, 16.0], ids=["apart", "nan"])
 def test_fp16_eager_positions_without_keys_are_hfs_bit_for_bit(family, gain):
     """A padded prompt position sees no key: HF's eager attention adds fp16's lowest (-65504) to every score there,
     which does not absorb scores of 16 and more (the weights are not even; all at -inf: NaN, which HF's row then
-    carries). Scaled-up query / key weights make such scores: outputs, attention weights and hidden states are
-    HF's bit for bit, NaN where HF's are."""
-    model = build(family, seed=2, dtype=torch.float16)
-    model.set_attn_implementation("eager")
+    carries), and GPT-2's upcast attention adds it to float32 scores (a softmax over them). Scaled-up query / key
+    weights make such scores: outputs, attention weights and hidden states are HF's bit for bit, NaN where HF's are."""
+    model = _eager_bf16(family, seed=2, dtype=torch.float16)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if any(part in name for part in ("q_proj", "k_proj", "c_attn")) and "decoder" not in name.split(".")[0]:
                 param.mul_(gain)
     reference = copy.deepcopy(model)
-    ids, mask = padded_batch(family, 3, 9, seed=2)
+    ids, mask = padded_batch(family.removesuffix("_upcast"), 3, 9, seed=2)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, output_scores=True, output_attentions=True,
                   output_hidden_states=True, return_dict_in_generate=True)
     expected = reference.generate(**kwargs)
@@ -147,10 +146,10 @@ def _flat(value):
     return [value]
 
 
-def _eager_bf16(family: str, seed: int = 0):
-    """``family``'s test model in bf16 on HF's eager attention; "gpt2_upcast": GPT-2 with reorder_and_upcast_attn,
-    whose eager attention forms the scores in float32."""
-    model = build(family.removesuffix("_upcast"), seed=seed, dtype=torch.bfloat16)
+def _eager_bf16(family: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
+    """``family``'s test model in bf16 (or ``dtype``) on HF's eager attention; "gpt2_upcast": GPT-2 with
+    reorder_and_upcast_attn, whose eager attention forms the scores in float32."""
+    model = build(family.removesuffix("_upcast"), seed=seed, dtype=dtype)
     if family == "gpt2_upcast":
         model.config.reorder_and_upcast_attn = True
         for block in model.transformer.h:
