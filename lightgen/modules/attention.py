@@ -26,6 +26,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.utils import output_capturing
 from transformers.models.bert.modeling_bert import eager_attention_forward
 
 from lightgen import ops
@@ -59,7 +60,7 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, is_cau
     """``eager_model``: the model ran HF's eager attention; fp16 / bf16 kernels round as it does."""
     grad = module.training or torch.is_grad_enabled()
     softcap = kwargs.get("softcap")
-    if kwargs.get("output_attentions") or (softcap is not None and grad):
+    if kwargs.get("output_attentions") or (eager_model and _records_attentions()) or (softcap is not None and grad):
         return _eager(module, query, key, value, attention_mask, is_causal, eager_model, scaling=scaling,
                       dropout=dropout, **kwargs)
     eager = eager_model and query.dtype != torch.float32
@@ -82,6 +83,13 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, is_cau
         attention_mask = attention_mask[..., :key_len]
     # A single query sees every key it is not masked from: no causal window needed.
     return ops.attention(query, key, value, mask=attention_mask, scale=scaling, **rounding), None
+
+
+def _records_attentions() -> bool:
+    """Whether HF's output recorders collect attention weights in this call: transformers 5 hooks the attention
+    modules' outputs instead of passing ``output_attentions`` down, and eager's weights are what they record."""
+    collected = output_capturing._active_collector.get()
+    return collected is not None and any("attentions" in key for key in collected)
 
 
 def even_spread(values: torch.Tensor, keys: int) -> torch.Tensor:

@@ -356,12 +356,18 @@ def test_hidden_states_alone_and_attentions_of_other_caches(step_counter):
     results = [model.generate(**kwargs, output_attentions=True, past_key_values=DynamicCache())
                for model in (reference, accelerated)]
     _assert_steps_close(results[1].attentions, results[0].attentions)
-    # HF's static cache hands attention all its slots: the weights' shapes follow HF's cache, so HF's loop runs.
-    with pytest.warns(RuntimeWarning, match="attentions with StaticLayer cache layers are not supported"):
-        expected, got = _generate_both(reference, accelerated, **kwargs, output_attentions=True,
-                                       cache_implementation="static")
-    assert torch.equal(got.sequences, expected.sequences)
-    _assert_steps_close(got.attentions, expected.attentions)
+    # HF's static cache hands attention all its slots: the weights' shapes follow HF's cache, so HF's loop runs, whose
+    # recorders take the eager weights from the attention modules' outputs (GPT-2's returned none before, fp32 or bf16).
+    for family, dtype in (("llama", torch.float32), ("gpt2", torch.float32), ("gpt2", torch.bfloat16)):
+        accelerated, reference = _pair(family, 7, "eager")
+        accelerated, reference = accelerated.to(dtype), reference.to(dtype)
+        ids, mask = padded_batch(family, 2, 6, seed=7)
+        with pytest.warns(RuntimeWarning, match="attentions with StaticLayer cache layers are not supported"):
+            expected, got = _generate_both(reference, accelerated, input_ids=ids, attention_mask=mask,
+                                           max_new_tokens=4, return_dict_in_generate=True, output_attentions=True,
+                                           cache_implementation="static")
+        assert torch.equal(got.sequences, expected.sequences)
+        _assert_steps_close(got.attentions, expected.attentions)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])

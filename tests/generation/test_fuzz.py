@@ -730,8 +730,8 @@ def run_half_case(seed: int) -> str:
             lightgen_only["drafter"] = _drafter(r, model.config, vocab, seed)
     if model.config._attn_implementation == "eager" and r.random() < 0.3:  # sdpa has no attention weights
         settings.update(output_attentions=True, output_hidden_states=True)
-    if not lightgen_only and not settings.get("output_attentions") and r.random() < 0.2:
-        settings["cache_implementation"] = "static"  # (attentions of a static cache: HF's loop, README)
+    if not lightgen_only and r.random() < 0.2:
+        settings["cache_implementation"] = "static"  # with attentions: HF's loop on the patched model (README)
     settings.update(return_dict_in_generate=True, output_scores=True, output_logits=True)
     kwargs = dict(input_ids=ids, attention_mask=mask, pad_token_id=PAD, **settings)
     accelerated = lightgen.accelerate_model(copy.deepcopy(model))
