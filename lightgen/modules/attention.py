@@ -175,7 +175,7 @@ def _eager(module, query, key, value, attention_mask, is_causal, eager_model: bo
         return family_eager(module, query, key, value, attention_mask, **kwargs)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        key, value = ops.repeat_kv(key, groups), ops.repeat_kv(value, groups)
     return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -299,8 +299,8 @@ def _spread_keyless(state: DecodeState, span: KeySpan, attn: AttentionWeights, q
         return with_even_keyless(out, lambda: even_spread(values[:, :, span.first:end], span.keys), keyless), None
     affected = keyless.any(-1).nonzero().flatten()
     empty = span.keys - (end - span.first)  # a static cache layer's slots past the prompt: zeros in HF's
-    handed = [torch.nn.functional.pad(cache[affected, :, span.first:end], (0, 0, 0, empty)).repeat_interleave(
-        query.shape[1] // cache.shape[1], dim=1) for cache in (keys, values)]
+    handed = [ops.repeat_kv(torch.nn.functional.pad(cache[affected, :, span.first:end], (0, 0, 0, empty)),
+                        query.shape[1] // cache.shape[1]) for cache in (keys, values)]
     queries, lowest = query[affected], torch.finfo(out.dtype).min
     if attn.upcast:  # GPT-2's reorder_and_upcast_attn: float32 scores (baddbmm), the dtype's mask added to them
         flat_keys = handed[0].transpose(-1, -2).flatten(0, 1)

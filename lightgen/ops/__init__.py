@@ -7,7 +7,7 @@ what runs when a kernel could not be built.
 from lightgen.ops import activation, attention as _attention_mod, beam, embedding as _embedding_mod, norm
 from lightgen.ops import linear as _linear_mod, sampling
 from lightgen.ops.activation import ACTIVATIONS, bias_act, bias_act_ref, gated_act, gated_act_ref
-from lightgen.ops.attention import attention, attention_probs, attention_ref
+from lightgen.ops.attention import attention, attention_probs, attention_ref, repeat_kv
 from lightgen.ops.beam import beam_topk, beam_topk_ref, greedy_tokens, refuses_non_finite
 from lightgen.ops.embedding import embedding, embedding_ref
 from lightgen.ops.linear import (
@@ -48,6 +48,7 @@ __all__ = [
     "gated_act",
     "attention",
     "attention_probs",
+    "repeat_kv",
     "embedding",
     "linear",
     "linear_grouped",

@@ -66,6 +66,16 @@ def attention_ref(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, cau
     return out.transpose(1, 2).contiguous().to(q.dtype)
 
 
+def repeat_kv(states: torch.Tensor, group: int) -> torch.Tensor:
+    """K/V heads [B, H, S, D] repeated for ``group`` query heads each as HF's repeat_kv does: expanded and reshaped,
+    a view where it can be (one K/V head), which torch's matmul runs otherwise than a copy (fp16 values an ulp
+    apart)."""
+    if group == 1:
+        return states
+    batch, heads, length, dim = states.shape
+    return states[:, :, None].expand(batch, heads, group, length, dim).reshape(batch, heads * group, length, dim)
+
+
 def attention_probs(q, k_cache, key_len, mask, scale, causal, window=0, softcap=0.0, eager=False, upcast=False,
                     softmax_in_dtype=False):
     """The weights ``attention`` gives each key, float32 [B, Hq, Tq, Tmax], for caches written up to ``key_len``
@@ -82,7 +92,7 @@ def attention_probs(q, k_cache, key_len, mask, scale, causal, window=0, softcap=
     key_idx = torch.arange(max_len, device=q.device)
     in_cache = key_idx.view(1, -1) < key_len.view(-1, 1)  # [B, Tmax]: positions past a row's length are unwritten
     dtype = q.dtype if eager and not upcast else torch.float32
-    keys = k_cache.to(dtype).repeat_interleave(group, dim=1)
+    keys = repeat_kv(k_cache.to(dtype), group)
     scores = torch.matmul(q.to(dtype), keys.transpose(-1, -2)) * scale  # [B, Hq, Tq, Tmax]
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap

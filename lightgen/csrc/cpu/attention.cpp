@@ -249,6 +249,14 @@ double lowest(const Tensor& q) {
                                       : std::numeric_limits<c10::BFloat16>::lowest();
 }
 
+// K/V heads repeated for ``group`` query heads each as HF's repeat_kv does: expanded and reshaped, a view where it
+// can be (one K/V head), which torch's matmul then runs otherwise than a copy (fp16 values an ulp apart).
+Tensor repeat_kv(const Tensor& t, int64_t group) {
+  if (group == 1) return t;
+  const int64_t B = t.size(0), H = t.size(1), S = t.size(2), D = t.size(3);
+  return t.unsqueeze(2).expand({B, H, group, S, D}).reshape({B, H * group, S, D});
+}
+
 // HF's eager attention in the dtype, op for op (eager_attention_forward; Gemma 2's with its softcap): the scores'
 // matmul over K/V heads repeated per query head (repeat_kv), scaled, capped, masked (``mask``: bool, hidden keys
 // at the dtype's lowest value as HF's additive mask holds them, or additive), a float32 softmax rounded to the
@@ -257,9 +265,8 @@ double lowest(const Tensor& q) {
 // as the kernel's (the engine spreads it).
 Tensor eager_attention(const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& mask,
                        double scale, double softcap, bool softmax_in_dtype) {
-  const int64_t group = q.size(1) / k.size(1);
-  const Tensor keys = group > 1 ? k.repeat_interleave(group, 1) : k;
-  const Tensor values = group > 1 ? v.repeat_interleave(group, 1) : v;
+  const Tensor keys = repeat_kv(k, q.size(1) / k.size(1));
+  const Tensor values = repeat_kv(v, q.size(1) / k.size(1));
   Tensor scores = at::matmul(q, keys.transpose(2, 3)) * scale;
   if (softcap > 0) scores = (scores / softcap).tanh() * softcap;
   Tensor sees;
