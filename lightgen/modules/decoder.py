@@ -196,7 +196,7 @@ class DecodeState:
         self.cross_values = list(cross_values)
         self.encoder_keep = encoder_keep  # [B, S] bool
         self.expand = expand  # decoder rows per sentence (beams or returned sequences)
-        self._cross_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # fp16 / bf16: per layer, per row
+        self._cross_rows: dict[int, tuple[torch.Tensor, ...]] = {}  # fp16 / bf16: per layer, K/V/keep per row
         self.position_limit = position_limit  # set when steps may run past the position table
         self.cached_prompt = 0  # prompt tokens a caller's cache holds: the first step feeds the rest
         self.position_bias_table = None  # [H, 2 * max_len - 1] with a relative position bias
@@ -259,9 +259,8 @@ class DecodeState:
         if dtype == torch.float32 or self.expand == 1:
             return keys, values, keep
         if index not in self._cross_rows:
-            self._cross_rows[index] = (keys.repeat_interleave(self.expand, 0),
-                                       values.repeat_interleave(self.expand, 0))
-        return *self._cross_rows[index], keep.repeat_interleave(self.expand, 0)
+            self._cross_rows[index] = tuple(t.repeat_interleave(self.expand, 0) for t in (keys, values, keep))
+        return self._cross_rows[index]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished rows (one row per sentence): the rest keep decoding at smaller shapes."""

@@ -307,10 +307,10 @@ void attend_with_torch(const Tensor& q, const Tensor& k, const Tensor& v, const 
       const KeySpan span = spans[b0];
       // HF's static cache layer hands every one of its ``static_slots`` (the unwritten ones zeros, masked) until a
       // sliding one is full, but sdpa's first prompt pass without padding takes the prompt's keys (is_causal).
-      const bool unpadded_prompt = !eager && per_call > 1 && span.past == 0 &&
+      const bool static_span = static_slots > 0 && span.end <= static_slots;
+      const bool unpadded_prompt = static_span && window == 0 && !eager && per_call > 1 && span.past == 0 &&
                                    (!mask_in.defined() || mask_in.narrow(3, 0, span.end).all().item<bool>());
-      const int64_t end = static_slots > 0 && span.end <= static_slots && !(window == 0 && unpadded_prompt)
-                              ? static_slots : span.end;
+      const int64_t end = static_span && !unpadded_prompt ? static_slots : span.end;
       const int64_t width = end - span.origin, written = span.end - span.origin;
       Tensor queries = q.narrow(0, b0, rows).narrow(2, first_query, per_call);
       Tensor keys = k.narrow(0, b0, rows).narrow(2, span.origin, written);
