@@ -15,9 +15,9 @@ attention (scores, their scaling, softcap and mask each rounded to the dtype, th
 it weighs the values, or with ``softmax_in_dtype`` the softmax in the dtype, as the BART family's, GPT-2's and T5's
 eager functions take it; ``upcast`` keeps the scores in float32, as GPT-2's ``reorder_and_upcast_attn``); with
 ``pack_gqa`` a single query's grouped heads go to sdpa as queries of their K/V head where HF's sdpa gets a mask (a
-``mask`` is given, or the window is full), as transformers 5.23+ hands them; ``static_slots`` > 0: the slots of
-HF's static cache layer, every one of which (the unwritten ones zeros, masked) its attention gets. float32 ignores
-them.
+``mask`` is given, the window is full, or static slots are unwritten), as transformers 5.23+ hands them;
+``static_slots`` > 0: the slots of HF's static cache layer, every one of which (the unwritten ones zeros, masked)
+its attention gets. float32 ignores them.
 Returns [B, Tq, Hq, D], the layout the output projection reads.
 """
 

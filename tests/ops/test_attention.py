@@ -137,32 +137,41 @@ def test_half_precision_is_sdpas_bit_for_bit_on_random_inputs(half, seed):
 
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_a_masked_grouped_query_step_is_transformers_sdpa_bit_for_bit(half):
-    """A one-query step of grouped heads where HF's sdpa gets a mask (a padded batch, or a full sliding window):
-    transformers 5.23+ hands sdpa the query's heads as queries of their K/V head (pack_gqa), whose blocks round
-    otherwise (5-25% of fp16 calls, fewer bf16 ones, an ulp); the op with ``pack_gqa`` as the installed
-    transformers' is its sdpa_attention_forward bit for bit, and without it would differ somewhere in these draws."""
+    """A one-query step of grouped heads where HF's sdpa gets a mask (a padded batch, a full sliding window, or a
+    static cache's unwritten slots): transformers 5.23+ hands sdpa the query's heads as queries of their K/V head
+    (pack_gqa), whose blocks round otherwise (5-25% of fp16 calls, fewer bf16 ones, an ulp); the op with
+    ``pack_gqa`` as the installed transformers' is its sdpa_attention_forward bit for bit, and without it would
+    differ somewhere in these draws."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from lightgen._compat import sdpa_packs_gqa
 
     r, unpacked_differs = random.Random(0), False
-    for seed in range(40):
+    for seed in range(60):
         kv_heads, group, dim = r.choice([1, 2, 3]), r.choice([2, 3, 4]), r.choice([8, 12, 64, 128])
-        key_len, window = r.randrange(2, 300), r.choice([0, r.randrange(2, 40), r.randrange(300, 400)])
-        q, k, v, _, _ = _qkv(2, kv_heads * group, kv_heads, 1, key_len, dim, half, seed=seed)
-        handed = slice(max(0, key_len - window) if window else 0, key_len)
-        keep = torch.ones(2, key_len, dtype=torch.bool)
-        padded = window == 0 or r.random() < 0.5
+        key_len, case = r.randrange(2, 300), r.choice(["padded", "window", "static"])
+        window = r.choice([r.randrange(2, 40), r.randrange(300, 400)]) if case == "window" else 0
+        slots = key_len + r.randrange(1, 40) if case == "static" else 0  # a static cache's
+        q, k, v, _, _ = _qkv(2, kv_heads * group, kv_heads, 1, max(key_len, slots), dim, half, seed=seed)
+        if slots:
+            k[:, :, key_len:], v[:, :, key_len:] = 0, 0  # HF's unwritten static slots
+        handed = slice(max(0, key_len - window) if window else 0, slots or key_len)
+        keep = torch.zeros(2, max(key_len, slots), dtype=torch.bool)
+        keep[:, :key_len] = True
+        padded = case == "padded" or r.random() < 0.4
         if padded:
             keep[1, :r.randrange(1, key_len)] = False
-        hf_mask = keep[:, None, None, handed] if padded or key_len >= window else None  # HF's, as masking_utils
+        hf_mask = keep[:, None, None, handed] if padded or slots or key_len >= window else None  # as masking_utils
         module = types.SimpleNamespace(num_key_value_groups=group, is_causal=True)
         expected, _ = sdpa_attention_forward(module, q, k[:, :, handed], v[:, :, handed], hf_mask,
                                              scaling=dim ** -0.5)
         mask = keep if padded else None
-        out = ops.attention(q, k, v, mask=mask, causal=True, window=window, pack_gqa=sdpa_packs_gqa())
+        # A static cache's step writes its key at key_len - 1 and sees the written slots (the engine's call).
+        written = dict(k_new=k[:, :, key_len - 1:key_len].clone(), v_new=v[:, :, key_len - 1:key_len].clone(),
+                       cache_pos=torch.full((2,), key_len - 1), static_slots=slots) if slots else {}
+        out = ops.attention(q, k, v, mask=mask, causal=True, window=window, pack_gqa=sdpa_packs_gqa(), **written)
         assert torch.equal(out, expected), f"draw {seed}"
-        unpacked = ops.attention(q, k, v, mask=mask, causal=True, window=window)
+        unpacked = ops.attention(q, k, v, mask=mask, causal=True, window=window, **written)
         unpacked_differs |= not torch.equal(unpacked, expected)
     assert unpacked_differs or not sdpa_packs_gqa() or half is torch.bfloat16  # bf16 rarely tells them apart
 

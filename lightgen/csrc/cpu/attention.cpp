@@ -347,10 +347,11 @@ void attend_with_torch(const Tensor& q, const Tensor& k, const Tensor& v, const 
           mask = visible.dim() == 2 ? visible.view({1, 1, per_call, width}) : visible;
         }
       }
-      // HF hands sdpa a mask where the prompt was padded (``mask_in``) or the window is full, and from transformers
-      // 5.23 on (``pack_gqa``) a single query's grouped heads then go in as queries of their K/V head: other query
-      // blocks, other roundings (~5-25% of fp16 calls differ by an ulp).
-      const bool packed = pack_gqa && gqa && per_call == 1 && (mask_in.defined() || (window > 0 && width >= window));
+      // HF hands sdpa a mask where the prompt was padded (``mask_in``), the window is full or static slots are
+      // unwritten, and from transformers 5.23 on (``pack_gqa``) a single query's grouped heads then go in as queries
+      // of their K/V head: other query blocks, other roundings (~5-25% of fp16 calls differ by an ulp).
+      const bool packed = pack_gqa && gqa && per_call == 1 &&
+                          (mask_in.defined() || (window > 0 && width >= window) || end > span.end);
       Tensor result;
       if (eager) {
         result = eager_attention(queries, keys, values, mask, scale, softcap, softmax_in_dtype);
