@@ -366,10 +366,20 @@ def _unknown_inputs(model, model_kwargs) -> str | None:
     return f"model inputs {unknown} are not supported" if unknown else None
 
 
+def _renumbered_positions(model, generation_config) -> str | None:
+    if not generation_config.use_cache and getattr(model, DECODER_ATTR).spec.position_padding_idx is not None:
+        return "use_cache=False where positions skip padding tokens (M2M100, NLLB): HF then numbers the whole " \
+               "sequence again each step, past the padding tokens it generated, which cached steps number on"
+    return None
+
+
 def _unsupported(model, generation_config, model_kwargs, input_ids) -> str | None:
     mode = generation_config.get_generation_mode()
     if mode not in SUPPORTED_MODES:
         return f"generation mode '{mode.value}' is not supported"
+    renumbered = _renumbered_positions(model, generation_config)
+    if renumbered is not None:
+        return renumbered
     if getattr(generation_config, "low_memory", False):
         return "'low_memory=True' is not supported"
     if generation_config.cache_implementation in HF_ONLY_CACHE_IMPLEMENTATIONS:
@@ -401,6 +411,9 @@ def _aggressive_unsupported(name, model, generation_config, logits_processor, st
                             model_kwargs) -> str | None:
     if generation_config.get_generation_mode() != GenerationMode.GREEDY_SEARCH:
         return f"decoding='{name}' is greedy decoding (num_beams=1, do_sample=False)"
+    renumbered = _renumbered_positions(model, generation_config)
+    if renumbered is not None:
+        return renumbered
     if streamer is not None and rows > 1:
         return f"decoding='{name}' streams one row (as HF's assisted decoding), not {rows}"
     if hf_cache.cache_key(model_kwargs) is not None:
@@ -426,8 +439,13 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
                     aggressive: Aggressive | None = None, streamer=None, **model_kwargs):
     """HF ``custom_generate`` callable: greedy, sampling and beam search on lightgen's decoder, and
     aggressive decoding (IAD, GAD) for greedy."""
-    if streamer is not None and generation_config.num_beams > 1:  # HF's refusal, word for word
-        raise ValueError("`streamer` cannot be used with beam search (yet!). Make sure that `num_beams` is set to 1.")
+    if streamer is not None and generation_config.num_beams > 1:
+        if generation_config.get_generation_mode() != GenerationMode.BEAM_SAMPLE:  # HF's refusal, word for word
+            raise ValueError("`streamer` cannot be used with beam search (yet!). Make sure that `num_beams` is set "
+                             "to 1.")
+        streamer = None  # HF's beam sampling streams the prompt alone (generate's own put), and no end
+    if getattr(generation_config, "prefill_chunk_size", None) is not None and not generation_config.use_cache:
+        raise ValueError("Cannot use prefill chunking without a cache")  # HF's prefill, word for word
     # HF's loops append int64 tokens to the prompt, so int32 input_ids come back int64: the same here.
     input_ids = input_ids.long() if input_ids.dtype == torch.int32 else input_ids
     if aggressive is not None:

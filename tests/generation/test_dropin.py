@@ -75,8 +75,12 @@ def _eos_after(reference, ids, mask, new_tokens):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("settings", [dict(do_sample=False), dict(do_sample=True, top_k=10)], ids=["greedy", "sample"])
+@pytest.mark.parametrize("settings", [dict(do_sample=False), dict(do_sample=True, top_k=10),
+                                      dict(do_sample=True, num_beams=3, num_return_sequences=2)],
+                         ids=["greedy", "sample", "beam_sample"])
 def test_streamer_gets_hf_calls(family, settings, step_counter):
+    """Greedy and sampling: the prompt, each step's tokens, the end. Beam sampling, which HF does not refuse as it
+    refuses beam search: the prompt alone (generate's own put), no end."""
     accelerated, reference = _pair(family, 1)
     ids, mask = padded_batch(family, 3, 7, seed=1)
     eos = _eos_after(reference, ids, mask, 3)  # some rows end early: padding is streamed too
@@ -94,15 +98,37 @@ def test_streamer_gets_hf_calls(family, settings, step_counter):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_streaming_with_beams_is_refused_as_hf_refuses(family):
+@pytest.mark.parametrize("settings", [dict(num_beams=2, streamer=True), dict(use_cache=False, prefill_chunk_size=2)],
+                         ids=["streamed_beams", "chunked_prefill_without_a_cache"])
+def test_refused_as_hf_refuses(family, settings):
     accelerated, reference = _pair(family, 1)
-    ids, mask = padded_batch(family, 1, 5)
+    ids, mask = padded_batch(family, 2, 5)
     messages = []
     for model in (reference, accelerated):
         with pytest.raises(ValueError) as refused:
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2, streamer=Recorder())
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4,
+                           **{**settings, **({"streamer": Recorder()} if "streamer" in settings else {})})
         messages.append(str(refused.value))
     assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_use_cache_false_where_positions_skip_padding_runs_hfs_loop(num_beams, monkeypatch):
+    """M2M100 / NLLB number positions past padding tokens. Without a cache HF numbers the whole decoder input
+    again each step, so a padding token it generated shifts the positions after it, where its cached steps (and
+    lightgen's) number on: lightgen hands such a call to HF's loop, with a warning, and so gets HF's tokens (a case
+    that tells the two apart: test_fuzz.py's ARGUMENT_REGRESSIONS)."""
+    model = build("m2m_100", seed=3)
+    accelerated = lightgen.accelerate_model(copy.deepcopy(model))
+    ids, mask = padded_batch("m2m_100", 2, 6, seed=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, num_beams=num_beams, use_cache=False)
+    expected = model.generate(**kwargs)
+    with pytest.warns(RuntimeWarning, match="positions skip padding"):
+        got = accelerated.generate(**kwargs)
+    assert torch.equal(got, expected)
+    monkeypatch.setenv("LIGHTGEN_STRICT", "1")
+    with pytest.raises(ValueError, match="positions skip padding"):
+        accelerated.generate(**kwargs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import math
 import os
 import random
 import time
@@ -255,7 +256,7 @@ def _near_tie_order(got, expected, scores: torch.Tensor, per_sentence: int, got_
             order[row], replaced[row] = other, True
         permuted = [row for row in moved if row not in unmatched]
         tied = scores[permuted] if permuted else scores[:0]
-        if permuted and float(tied.max() - tied.min()) > NEAR_TIE * max(1.0, float(tied.abs().max())):
+        if permuted and not _tie(tied.max(), tied.min()):
             return None
     return order, replaced
 
@@ -269,14 +270,20 @@ def _ties_in(score, hf_score, hf_sentence_scores) -> bool:
 
 
 def _tie(score, other) -> bool:
-    return abs(float(score - other)) <= NEAR_TIE * max(1.0, abs(float(other)))
+    """Within ``NEAR_TIE``, or equal: two infinite scores tie exactly (a processor's +inf, seen: every beam's EOS at
+    +inf from an exponential length penalty past the largest float, whose order torch.topk sets by the other
+    values), an infinite and a finite one never."""
+    score, other = float(score), float(other)
+    return score == other or (math.isfinite(score) and math.isfinite(other)
+                              and abs(score - other) <= NEAR_TIE * max(1.0, abs(other)))
 
 
 def _tied(scores: torch.Tensor, per_sentence: int) -> torch.Tensor:
-    """[rows] bool: the hypotheses whose HF score ties (``NEAR_TIE``) with another of the same sentence."""
+    """[rows] bool: the hypotheses whose HF score ties (``_tie``) with another of the same sentence."""
     sentences = scores.view(-1, per_sentence)
-    gaps = (sentences[:, :, None] - sentences[:, None, :]).abs()
-    close = gaps <= NEAR_TIE * sentences.abs().clamp(min=1.0)[:, :, None]
+    a, b = sentences[:, :, None], sentences[:, None, :]
+    close = (a == b) | (torch.isfinite(a) & torch.isfinite(b)
+                        & ((a - b).abs() <= NEAR_TIE * a.abs().clamp(min=1.0)))
     return (close.sum(-1) > 1).flatten()
 
 
@@ -588,9 +595,9 @@ def _assert_beam_indices(got, expected, per_sentence, beams, swapped, settings, 
     assert torch.equal(got.beam_indices[exact], expected.beam_indices[exact]), "beam_indices differ"
 
 
-def run_case(seed: int, families: tuple[str, ...] = FAMILIES) -> str:
-    """Draw case ``seed`` (of ``families``), run it on lightgen and on HF; raises AssertionError on any difference.
-    Returns a one-line description."""
+def run_case(seed: int, families: tuple[str, ...] = FAMILIES, arguments: bool = False) -> str:
+    """Draw case ``seed`` (of ``families``; with ``arguments`` more of generate's arguments, ``_arguments``), run it
+    on lightgen and on HF; raises AssertionError on any difference. Returns a one-line description."""
     r = random.Random(seed)
     family = r.choice(families)
     model = _model(family, _config(family, r), r, seed)
@@ -614,29 +621,141 @@ def run_case(seed: int, families: tuple[str, ...] = FAMILIES) -> str:
         kwargs.update(input_ids=ids.int(), attention_mask=None if kwargs["attention_mask"] is None else mask.int())
     description = f"{family} {mode} rows={ids.shape[0]} len={ids.shape[1]} {settings} {lightgen_only or ''}" + \
         (" int32 ids" if kwargs["input_ids"].dtype == torch.int32 else "")
-    outcome = {}
+    if arguments:  # from a stream of their own: the case without them is test_fuzz's of the same seed
+        drawn = _arguments(random.Random(f"arguments {seed}"), family, mode, model, kwargs)
+        description += f" + {drawn}"
+    outcome, streamed = {}, {}
     for name, target, extra in (("hf", model, {}), ("lightgen", accelerated, lightgen_only)):
         torch.manual_seed(seed)
+        call = _fresh(kwargs)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 with torch.no_grad():
-                    outcome[name] = target.generate(**kwargs, **extra)
+                    outcome[name] = target.generate(**call, **extra)
         except Exception as error:  # noqa: BLE001 - the oracle's errors are part of its behavior
             outcome[name] = error
+        streamed[name] = getattr(call.get("streamer"), "calls", None)
     hf, mine = outcome["hf"], outcome["lightgen"]
     try:
         if isinstance(hf, Exception) or isinstance(mine, Exception):
             assert type(hf) is type(mine), f"HF: {hf!r}; lightgen: {mine!r}"
             return description + f" (both raise {type(hf).__name__})"
+        hf_sequences = getattr(hf, "sequences", hf)
+        if "input_ids" not in kwargs:  # HF returns the new tokens alone; its rounding is measured on the whole
+            prompts = ids.repeat_interleave(len(hf_sequences) // len(ids), 0)
+            hf_sequences = torch.cat([prompts.to(hf_sequences.dtype), hf_sequences], 1)
         _compare(mine, hf, settings, lambda: _rescored(model, accelerated, kwargs, lightgen_only, seed),
                  functools.cache(lambda: _cuts(model, kwargs, seed)),
-                 functools.cache(lambda: _hf_rounding(model, kwargs, getattr(hf, "sequences", hf))),
+                 functools.cache(lambda: _hf_rounding(model, {**kwargs, "input_ids": ids}, hf_sequences)),
                  functools.cache(lambda: _cuts(accelerated, kwargs, seed)),
                  lambda: (_draws(accelerated, kwargs, lightgen_only, seed), _draws(model, kwargs, {}, seed)))
+        if streamed["hf"] is not None and torch.equal(getattr(mine, "sequences", mine), getattr(hf, "sequences", hf)):
+            # IAD / GAD stream each pass's tokens, [1, n], as HF's assisted decoding: the same tokens in other puts
+            joined = _joined if lightgen_only else list
+            assert _streamed_equal(joined(streamed["lightgen"]), joined(streamed["hf"])), \
+                f"streamer calls differ:\n{streamed['lightgen']}\nvs HF\n{streamed['hf']}"
     except AssertionError as error:
         raise AssertionError(f"{description}\n{error}") from None
     return description
+
+
+class _RecordingStreamer(tf.generation.BaseStreamer):
+    """A streamer that keeps what ``generate`` hands it: each ``put``'s tensor, and "end"."""
+
+    def __init__(self):
+        self.calls = []
+
+    def put(self, value):
+        self.calls.append(value.detach().clone())
+
+    def end(self):
+        self.calls.append("end")
+
+
+def _streamed_equal(a: list, b: list) -> bool:
+    """The same calls: "end" where the other ends, equal tensors of equal shapes elsewhere."""
+    return len(a) == len(b) and all(
+        x == y if isinstance(x, str) or isinstance(y, str) else x.shape == y.shape and torch.equal(x, y)
+        for x, y in zip(a, b))
+
+
+def _joined(calls: list) -> list:
+    """A one-row stream's calls as [the prompt, every later token in one row, "end"s]."""
+    puts = [call for call in calls if not isinstance(call, str)]
+    if len(puts) < 2:
+        return calls
+    return [puts[0], torch.cat([put.reshape(-1) for put in puts[1:]]), *[call for call in calls if call == "end"]]
+
+
+def _fresh(kwargs) -> dict:
+    """``kwargs`` for one run: a copy of a caller's cache (generate extends it in place) and a streamer of its own."""
+    call = dict(kwargs)
+    if call.get("past_key_values") is not None:
+        call["past_key_values"] = copy.deepcopy(call["past_key_values"])
+    if "streamer" in call:
+        call["streamer"] = _RecordingStreamer()
+    return call
+
+
+def _arguments(r: random.Random, family: str, mode: str, model, kwargs) -> str:
+    """More of generate's arguments, drawn into ``kwargs`` (``test_fuzz_generate_arguments``): sampling's typical /
+    min-p / epsilon / eta filters, renormalized logits, invalid values removed, an exponentially decaying length
+    penalty, ``use_cache=False``, ``max_length`` for ``max_new_tokens``, a streamer; encoder-decoders: encoder
+    repetition penalty and n-gram blocking, a decoder prompt; decoder-only: a chunked prefill, the prompt as
+    ``inputs_embeds`` (with or without its ids), or continued from a forward pass's cache over its first tokens.
+    Returns their names."""
+    ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
+    drawn = {}
+    if mode in ("sample", "beam_sample") and r.random() < 0.6:
+        name = r.choice(["typical_p", "min_p", "epsilon_cutoff", "eta_cutoff"])
+        drawn[name] = r.choice({"typical_p": [0.3, 0.9], "min_p": [0.05, 0.2], "epsilon_cutoff": [3e-4, 3e-2],
+                                "eta_cutoff": [3e-4, 3e-2]}[name])
+    if r.random() < 0.15:
+        drawn["renormalize_logits"] = True
+    if r.random() < 0.1:
+        drawn["remove_invalid_values"] = True
+    if r.random() < 0.15:
+        drawn["exponential_decay_length_penalty"] = (r.randint(1, 4), r.choice([1.1, 1.5]))
+    if r.random() < 0.15:
+        drawn["use_cache"] = False
+    if r.random() < 0.15:
+        new = kwargs.pop("max_new_tokens")
+        drawn["max_length"] = new + (1 if model.config.is_encoder_decoder else ids.shape[1])
+    if r.random() < 0.3:
+        drawn["streamer"] = _RecordingStreamer()
+    if model.config.is_encoder_decoder:
+        if r.random() < 0.2:
+            drawn["encoder_repetition_penalty"] = r.choice([0.8, 1.5])
+        if r.random() < 0.15:
+            drawn["encoder_no_repeat_ngram_size"] = r.randint(1, 3)
+        if r.random() < 0.2:
+            start = model.generation_config.decoder_start_token_id
+            if start is None:
+                start = model.config.decoder_start_token_id
+            tokens = [start] + [r.randrange(3, model.config.vocab_size) for _ in range(r.randint(1, 3))]
+            drawn["decoder_input_ids"] = torch.tensor([tokens] * len(ids), dtype=ids.dtype)
+    else:
+        # Not drawn together, where HF's own loop goes wrong: a chunked prefill of inputs_embeds (other tokens than
+        # its unchunked prefill, or shape errors), use_cache=False with a caller's cache (other tokens than with the
+        # cache or without it, or index errors).
+        route = r.random()
+        if route < 0.2:
+            drawn["prefill_chunk_size"] = r.randint(1, 4)
+        elif route < 0.45:
+            with torch.no_grad():
+                drawn["inputs_embeds"] = model.get_input_embeddings()(ids.long())
+            if route < 0.3:
+                del kwargs["input_ids"]
+        elif route < 0.65 and ids.shape[1] > 1 and drawn.get("use_cache", True):
+            cached = r.randint(1, ids.shape[1] - 1)
+            prefix_mask = mask[:, :cached] if mask is not None else None
+            with torch.no_grad():
+                drawn["past_key_values"] = model(input_ids=ids[:, :cached].long(), attention_mask=prefix_mask,
+                                                 use_cache=True).past_key_values
+    kwargs.update(drawn)
+    return ", ".join(f"{name}={value}" if isinstance(value, (int, float, tuple)) else name
+                     for name, value in drawn.items())
 
 
 def _rescored(model, accelerated, kwargs, lightgen_only, seed: int):
@@ -646,8 +765,8 @@ def _rescored(model, accelerated, kwargs, lightgen_only, seed: int):
         torch.manual_seed(seed)
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
-            outputs.append(target.generate(**{**kwargs, "return_dict_in_generate": True, "output_scores": True},
-                                           **extra))
+            outputs.append(target.generate(**{**_fresh(kwargs), "return_dict_in_generate": True,
+                                              "output_scores": True}, **extra))
     return tuple(outputs)
 
 
@@ -666,7 +785,7 @@ def _cuts(model, kwargs, seed: int) -> list[torch.Tensor]:
         torch.manual_seed(seed)
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
-            model.generate(**kwargs)
+            model.generate(**_fresh(kwargs))
     finally:
         del model._get_running_beams_for_next_iteration
     return cuts
@@ -695,7 +814,7 @@ def _draws(model, kwargs, extra, seed: int) -> list[tuple[torch.Tensor, torch.Te
         torch.manual_seed(seed)
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
-            model.generate(**kwargs, **extra)
+            model.generate(**_fresh(kwargs), **extra)
     return draws
 
 
@@ -769,6 +888,27 @@ def test_fuzz():
 
 def test_fuzz_t5():
     _fuzz(functools.partial(run_case, families=T5S), 2, share=1 / 3)
+
+
+def test_fuzz_generate_arguments():
+    _fuzz(functools.partial(run_case, arguments=True), 2, share=1 / 3)
+
+
+# Found by test_fuzz_generate_arguments's first runs (391 of 6094 cases before the fixes, most of them these classes).
+ARGUMENT_REGRESSIONS: dict[int, str] = {
+    700200285: "M2M100 beams, use_cache=False: HF numbers positions past the padding tokens it generated anew each "
+               "step (lightgen now runs HF's loop there)",
+    700200317: "BART beam sampling with a streamer: HF streams the prompt alone, lightgen refused as for beam search",
+    700200192: "Phi-3 beams, use_cache=False with prefill_chunk_size: HF's ValueError, which lightgen did not raise",
+    700200528: "Gemma 3 IAD with a streamer: each pass's tokens in one put, as HF's assisted decoding (the check)",
+    700411630: "OPT beams, every EOS at +inf (an exponential length penalty past the largest float): hypotheses tied "
+               "exactly, in torch.topk's order of the other values (the check)",
+}
+
+
+@pytest.mark.parametrize("seed", sorted(ARGUMENT_REGRESSIONS), ids=lambda s: f"{s}-{ARGUMENT_REGRESSIONS[s]}")
+def test_fuzz_generate_arguments_regressions(seed):
+    run_case(seed, arguments=True)
 
 
 def run_half_case(seed: int, families: tuple[str, ...] = FAMILIES) -> str:
@@ -928,6 +1068,10 @@ def test_near_tie_order_needs_hfs_scores_to_tie():
     assert _near_tie_order(other, hf, scores, 2, scores + torch.tensor([0, 0, 0, 1e-3])) is None  # not tied
     assert _near_tie_order(swapped, hf, torch.tensor([-1.0, -1.01, -2, -3]), 2) is None  # not a tie
     assert _near_tie_order(hf[[2, 1, 0, 3]], hf, torch.tensor([-1.0, -1.0, -1.0, -1.0]), 2) is None  # across sentences
+    inf = float("inf")
+    assert _near_tie_order(swapped, hf, torch.tensor([inf, inf, -2, -3]), 2) is not None  # +inf ties +inf exactly
+    assert _near_tie_order(swapped, hf, torch.tensor([inf, -1.0, -2, -3]), 2) is None  # but no finite score
+    assert _tied(torch.tensor([inf, inf, inf, -1.0]), 2).tolist() == [True, True, False, False]
 
 
 # A Qwen2 whose residual stream grows to 173 in 3 layers (1 of 847): lightgen's sampling scores 2e-4 from HF's,
