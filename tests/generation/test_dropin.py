@@ -113,7 +113,7 @@ def test_refused_as_hf_refuses(family, settings):
 
 
 @pytest.mark.parametrize("num_beams", [1, 3])
-def test_use_cache_false_where_positions_skip_padding_runs_hfs_loop(num_beams, monkeypatch):
+def test_use_cache_false_where_positions_skip_padding_runs_hfs_loop_or_raises_when_strict(num_beams, monkeypatch):
     """M2M100 / NLLB number positions past padding tokens. Without a cache HF numbers the whole decoder input
     again each step, so a padding token it generated shifts the positions after it, where its cached steps (and
     lightgen's) number on: lightgen hands such a call to HF's loop, with a warning, and so gets HF's tokens (a case
