@@ -84,7 +84,8 @@ def attention_probs(q, k_cache, key_len, mask, scale, causal, window=0, softcap=
     HF's ``output_attentions`` (the kernels return only the output: computing the weights here, and only on
     the calls that ask, keeps every other call as fast as it was and the weights the reference's, exactly).
     With ``eager`` (and not ``upcast``), fp16 / bf16 scores are formed in their dtype, as HF's eager attention
-    forms them, and with ``softmax_in_dtype`` weighed by a softmax in that dtype.
+    forms them, and with ``softmax_in_dtype`` weighed by a softmax in that dtype; a query whose score for any key
+    in the cache is NaN gets NaN weights, as eager's additive mask leaves them.
     """
     _, q_heads, q_len, _ = q.shape
     max_len = k_cache.shape[2]
@@ -111,7 +112,11 @@ def attention_probs(q, k_cache, key_len, mask, scale, causal, window=0, softcap=
             visible = visible & mask
         else:
             scores = scores + mask.to(dtype)
-    scores = scores.float().masked_fill(~visible, float("-inf"))
+    scores = scores.float()
+    # HF's eager attention adds its mask to every key's score: a NaN score, even a hidden key's (a padding position's
+    # NaN state), makes the query's weights NaN. Keys past a row's length are not HF's.
+    poisoned = (scores.isnan() & in_cache[:, None, None, :]).any(-1, keepdim=True) if eager else None
+    scores = scores.masked_fill(~visible, float("-inf"))
     row_max = scores.amax(-1, keepdim=True)
     weights = torch.exp(scores - row_max.clamp_min(torch.finfo(torch.float32).min))
     denom = weights.sum(-1, keepdim=True)
@@ -119,7 +124,8 @@ def attention_probs(q, k_cache, key_len, mask, scale, causal, window=0, softcap=
         probs = torch.softmax(scores.to(dtype), -1).float()
     else:
         probs = torch.softmax(scores, -1) if eager else weights / denom  # eager: HF's own (float32) softmax
-    return torch.where(denom > 0, probs, torch.zeros_like(weights))
+    probs = torch.where(denom > 0, probs, torch.zeros_like(weights))
+    return probs if poisoned is None else probs.masked_fill(poisoned, float("nan"))
 
 
 def _attention_fake(q, k_cache, v_cache, k_new, v_new, cache_pos, mask, scale, causal, window=0, softcap=0.0,

@@ -113,21 +113,33 @@ def test_refused_as_hf_refuses(family, settings):
 
 
 @pytest.mark.parametrize("num_beams", [1, 3])
-def test_use_cache_false_where_positions_skip_padding_runs_hfs_loop_or_raises_when_strict(num_beams, monkeypatch):
-    """M2M100 / NLLB number positions past padding tokens. Without a cache HF numbers the whole decoder input
-    again each step, so a padding token it generated shifts the positions after it, where its cached steps (and
-    lightgen's) number on: lightgen hands such a call to HF's loop, with a warning, and so gets HF's tokens (a case
-    that tells the two apart: test_fuzz.py's ARGUMENT_REGRESSIONS)."""
-    model = build("m2m_100", seed=3)
+@pytest.mark.parametrize("family, dtype, settings, reason", [
+    ("m2m_100", torch.float32, dict(use_cache=False), "positions skip padding"),
+    ("llama", torch.float16, dict(use_cache=False), "use_cache=False in float16"),
+    ("gpt2", torch.bfloat16, dict(use_cache=False), "use_cache=False in bfloat16"),
+    ("qwen2", torch.float16, dict(prefill_chunk_size=2), "prefill_chunk_size in float16")])
+def test_hfs_loop_runs_passes_that_lightgen_does_not_follow_or_raises_when_strict(num_beams, family, dtype, settings,
+                                                                                   reason, monkeypatch):
+    """Without a cache HF runs the whole decoder input again each step. M2M100 / NLLB number positions past
+    padding tokens, so a padding token HF generated shifts the positions after it, where its cached steps (and
+    lightgen's) number on (a case that tells the two apart: test_fuzz.py's ARGUMENT_REGRESSIONS); in fp16 / bf16
+    a whole-sequence pass rounds otherwise than a one-token step, and a chunked prefill otherwise than one pass.
+    lightgen hands such calls to HF's loop, with a warning, and so gets HF's tokens, and its scores (bit for bit in
+    fp16 / bf16: the patched layers run HF's ops there)."""
+    model = build(family, seed=3).to(dtype)
     accelerated = lightgen.accelerate_model(copy.deepcopy(model))
-    ids, mask = padded_batch("m2m_100", 2, 6, seed=3)
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, num_beams=num_beams, use_cache=False)
+    ids, mask = padded_batch(family, 2, 6, seed=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, num_beams=num_beams, **settings,
+                  return_dict_in_generate=True, output_scores=True)
     expected = model.generate(**kwargs)
-    with pytest.warns(RuntimeWarning, match="positions skip padding"):
+    with pytest.warns(RuntimeWarning, match=reason):
         got = accelerated.generate(**kwargs)
-    assert torch.equal(got, expected)
+    assert torch.equal(got.sequences, expected.sequences)
+    tolerance = 1e-4 if dtype == torch.float32 else 0.0
+    for mine, theirs in zip(got.scores, expected.scores, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=tolerance, rtol=tolerance)
     monkeypatch.setenv("LIGHTGEN_STRICT", "1")
-    with pytest.raises(ValueError, match="positions skip padding"):
+    with pytest.raises(ValueError, match=reason):
         accelerated.generate(**kwargs)
 
 

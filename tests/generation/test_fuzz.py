@@ -650,11 +650,7 @@ def run_case(seed: int, families: tuple[str, ...] = FAMILIES, arguments: bool = 
                  functools.cache(lambda: _hf_rounding(model, {**kwargs, "input_ids": ids}, hf_sequences)),
                  functools.cache(lambda: _cuts(accelerated, kwargs, seed)),
                  lambda: (_draws(accelerated, kwargs, lightgen_only, seed), _draws(model, kwargs, {}, seed)))
-        if streamed["hf"] is not None and torch.equal(getattr(mine, "sequences", mine), getattr(hf, "sequences", hf)):
-            # IAD / GAD stream each pass's tokens, [1, n], as HF's assisted decoding: the same tokens in other puts
-            joined = _joined if lightgen_only else list
-            assert _streamed_equal(joined(streamed["lightgen"]), joined(streamed["hf"])), \
-                f"streamer calls differ:\n{streamed['lightgen']}\nvs HF\n{streamed['hf']}"
+        _assert_streamed_alike(streamed, mine, hf, aggressive=bool(lightgen_only))
     except AssertionError as error:
         raise AssertionError(f"{description}\n{error}") from None
     return description
@@ -671,6 +667,16 @@ class _RecordingStreamer(tf.generation.BaseStreamer):
 
     def end(self):
         self.calls.append("end")
+
+
+def _assert_streamed_alike(streamed: dict, mine, hf, aggressive: bool) -> None:
+    """Where both runs returned the same sequences, a streamer (``streamed``: each run's calls, or None) saw the same
+    calls; IAD / GAD stream each pass's tokens, [1, n], as HF's assisted decoding: the same tokens in other puts."""
+    if streamed["hf"] is None or not torch.equal(getattr(mine, "sequences", mine), getattr(hf, "sequences", hf)):
+        return
+    joined = _joined if aggressive else list
+    assert _streamed_equal(joined(streamed["lightgen"]), joined(streamed["hf"])), \
+        f"streamer calls differ:\n{streamed['lightgen']}\nvs HF\n{streamed['hf']}"
 
 
 def _streamed_equal(a: list, b: list) -> bool:
@@ -911,7 +917,7 @@ def test_fuzz_generate_arguments_regressions(seed):
     run_case(seed, arguments=True)
 
 
-def run_half_case(seed: int, families: tuple[str, ...] = FAMILIES) -> str:
+def run_half_case(seed: int, families: tuple[str, ...] = FAMILIES, arguments: bool = False) -> str:
     """Case ``seed`` in fp16 or bf16 (HF's sdpa, or its eager attention), greedy, sampling, beam search (some on a
     static cache), IAD or GAD: lightgen's sequences, scores, logits, sequences_scores, beam_indices (and, on eager,
     attentions and hidden states) must be HF's bit for bit in the same dtype (IAD's and GAD's sequences HF
@@ -942,19 +948,23 @@ def run_half_case(seed: int, families: tuple[str, ...] = FAMILIES) -> str:
         settings["cache_implementation"] = "static"  # with attentions: HF's loop on the patched model (README)
     settings.update(return_dict_in_generate=True, output_scores=True, output_logits=True)
     kwargs = dict(input_ids=ids, attention_mask=mask, pad_token_id=PAD, **settings)
+    description = f"{family} {str(dtype).removeprefix('torch.')} {model.config._attn_implementation} {mode} " \
+                  f"rows={ids.shape[0]} len={ids.shape[1]} {settings} {lightgen_only or ''}"
+    if arguments:  # as run_case's
+        description += " + " + _arguments(random.Random(f"arguments {seed}"), family, mode, model, kwargs)
     accelerated = lightgen.accelerate_model(copy.deepcopy(model))
-    outcome = {}
+    outcome, streamed = {}, {}
     for name, target, extra in (("hf", model, {}), ("lightgen", accelerated, lightgen_only)):
         torch.manual_seed(seed)  # sampling: the same draws from the same scores
+        call = _fresh(kwargs)
         try:
             with warnings.catch_warnings(), torch.no_grad():
                 warnings.simplefilter("ignore")
-                outcome[name] = target.generate(**kwargs, **extra)
+                outcome[name] = target.generate(**call, **extra)
         except Exception as error:  # noqa: BLE001 - the oracle's errors are part of its behavior
             outcome[name] = error
+        streamed[name] = getattr(call.get("streamer"), "calls", None)
     hf, mine = outcome["hf"], outcome["lightgen"]
-    description = f"{family} {str(dtype).removeprefix('torch.')} {model.config._attn_implementation} {mode} " \
-                  f"rows={ids.shape[0]} len={ids.shape[1]} {settings} {lightgen_only or ''}"
     if isinstance(hf, Exception) or isinstance(mine, Exception):
         assert type(hf) is type(mine), f"{description}\nHF: {hf!r}; lightgen: {mine!r}"
         return description + f" (both raise {type(hf).__name__})"
@@ -963,6 +973,10 @@ def run_half_case(seed: int, families: tuple[str, ...] = FAMILIES) -> str:
     for field in fields:
         assert _bitwise(getattr(mine, field, None), getattr(hf, field, None)), \
             f"{description}\n{field} differ: {getattr(mine, field, None)}\nvs HF\n{getattr(hf, field, None)}"
+    try:
+        _assert_streamed_alike(streamed, mine, hf, aggressive=bool(lightgen_only))
+    except AssertionError as error:
+        raise AssertionError(f"{description}\n{error}") from None
     return description
 
 
@@ -986,6 +1000,17 @@ def test_fuzz_half_precision_t5():
     _fuzz(functools.partial(run_half_case, families=T5S), 4, share=1 / 3)
 
 
+def test_fuzz_half_precision_generate_arguments():
+    _fuzz(functools.partial(run_half_case, arguments=True), 4, share=1 / 3)
+
+
+# Found by its first run (2 of 5670 cases): an OPT bf16 and a Gemma 3 fp16 prompt with prefill_chunk_size, HF's
+# chunks rounding otherwise than one prefill pass (lightgen now runs HF's loop there in fp16 / bf16).
+@pytest.mark.parametrize("seed", [800101154, 800101405])
+def test_fuzz_half_precision_generate_arguments_regressions(seed):
+    run_half_case(seed, arguments=True)
+
+
 # Found by the half-precision fuzz before the fixes (1 to 2 of ~16,000 cases each): a Qwen2 fp16 step of a padded
 # batch (transformers 5.23+'s sdpa packs a masked query's grouped heads), M2M100 fp16 beams (each beam's
 # cross-attention a row of its own, as HF's cache holds them), BART bf16 beams (a 12-wide LayerNorm's partial
@@ -995,9 +1020,11 @@ def test_fuzz_half_precision_t5():
 # static_slots off): Qwen2 fp16 beams, Qwen3 fp16 eager beams, Gemma 3 bf16 sampling (sliding layers). And (CI's
 # run, 1 of 2005) a Llama fp16 eager prompt of two rows with one K/V head: HF's repeat_kv is a view there, which
 # torch's matmul runs otherwise than the op's copy did. And (1 of ~2,000) Qwen2 fp16 beams on a static cache of an
-# unpadded prompt: HF's mask over the unwritten slots makes its sdpa pack the grouped heads there too.
+# unpadded prompt: HF's mask over the unwritten slots makes its sdpa pack the grouped heads there too. And (1 of
+# 5049) a Qwen2 fp16 eager beam case with attentions whose padding positions turned NaN: HF's additive mask leaves
+# every weight of their row's queries NaN, where lightgen's masked keys weighed 0.
 @pytest.mark.parametrize("seed", [712774, 704749, 707956, 714417, 900083, 1100147, 1100345, 1101028,
-                                  17111595200021, 21318037400907])
+                                  17111595200021, 21318037400907, 800202024])
 def test_fuzz_half_precision_regressions(seed):
     run_half_case(seed)
 

@@ -405,3 +405,18 @@ def test_opcheck_with_window_and_softcap():
     q, k, v, k_new, v_new = _qkv(2, 4, 2, 3, 10, 8, torch.float32)
     torch.library.opcheck(torch.ops.lightgen.attention.default,
                           (q, k, v, k_new, v_new, torch.tensor([0, 4]), None, 0.5, True, 2, 0.3))
+
+
+def test_eager_weights_are_nan_where_a_hidden_keys_score_is_nan_as_eagers_additive_mask_leaves_them():
+    """HF's eager attention adds its mask to every score, so a padding position's NaN key makes the weights of
+    every query of its row NaN; keys past a row's length (not in HF's cache) do not."""
+    q, k, _, _, _ = _qkv(2, 4, 2, 3, 10, 8, torch.float16, seed=1)
+    k[0, :, 0] = float("nan")  # row 0: a hidden padding key
+    k[1, :, 9] = float("nan")  # row 1: past its length
+    key_len = torch.tensor([8, 8])
+    keep = torch.ones(2, 10, dtype=torch.bool)
+    keep[0, 0] = False
+    probs = ops.attention_probs(q, k, key_len, keep, 8 ** -0.5, True, eager=True)
+    assert bool(probs[0].isnan().all()) and not bool(probs[1].isnan().any())
+    plain = ops.attention_probs(q, k, key_len, keep, 8 ** -0.5, True)  # not eager's: hidden keys weigh nothing
+    assert not bool(plain.isnan().any())
