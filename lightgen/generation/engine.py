@@ -424,9 +424,6 @@ def _aggressive_unsupported(name, model, generation_config, logits_processor, st
                             model_kwargs) -> str | None:
     if generation_config.get_generation_mode() != GenerationMode.GREEDY_SEARCH:
         return f"decoding='{name}' is greedy decoding (num_beams=1, do_sample=False)"
-    unfollowed = _passes_unfollowed(model, generation_config)
-    if unfollowed is not None:
-        return unfollowed
     if streamer is not None and rows > 1:
         return f"decoding='{name}' streams one row (as HF's assisted decoding), not {rows}"
     if hf_cache.cache_key(model_kwargs) is not None:
@@ -461,7 +458,7 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
         raise ValueError("Cannot use prefill chunking without a cache")  # HF's prefill, word for word
     # HF's loops append int64 tokens to the prompt, so int32 input_ids come back int64: the same here.
     input_ids = input_ids.long() if input_ids.dtype == torch.int32 else input_ids
-    if aggressive is not None:
+    if aggressive is not None and _passes_unfollowed(model, generation_config) is None:  # else HF's loop, below
         reason = _aggressive_unsupported(aggressive.name, model, generation_config, logits_processor,
                                          stopping_criteria, input_ids.shape[0], streamer, model_kwargs)
         if reason is None:

@@ -364,7 +364,9 @@ def _sampled_past_a_tie(got, expected, settings, rescored, sequences, hf_sequenc
     flips = _edge_flips(mine_scores, hf_scores, tolerance)
     beams = settings.get("num_beams", 1)
     per_row = settings.get("num_return_sequences", 1) if beams > 1 else 1  # returned rows of a draw's row
-    diverged = {row // beams: step for row, step in sorted(flips.items(), key=lambda item: -item[1])}
+    diverged = {}
+    for row, step in flips.items():
+        diverged[row // beams] = min(step, diverged.get(row // beams, step))
     if any(row not in diverged and not torch.equal(sequences[row * per_row:(row + 1) * per_row],
                                                    hf_sequences[row * per_row:(row + 1) * per_row])
            for row in range(len(hf_sequences) // per_row)):
@@ -705,7 +707,7 @@ def _fresh(kwargs) -> dict:
 
 
 def _arguments(r: random.Random, family: str, mode: str, model, kwargs) -> str:
-    """More of generate's arguments, drawn into ``kwargs`` (``test_fuzz_generate_arguments``): sampling's typical /
+    """More of generate's arguments, drawn into ``kwargs`` (``test_fuzz[generate_arguments]``): sampling's typical /
     min-p / epsilon / eta filters, renormalized logits, invalid values removed, an exponentially decaying length
     penalty, ``use_cache=False``, ``max_length`` for ``max_new_tokens``, a streamer; encoder-decoders: encoder
     repetition penalty and n-gram blocking, a decoder prompt; decoder-only: a chunked prefill, the prompt as
@@ -888,19 +890,19 @@ def _fuzz(run, described_by: int, share: float = 1.0) -> None:
                     f"variable shown:\n" + "\n\n".join(failures))
 
 
-def test_fuzz():
-    _fuzz(run_case, 2)
+# The fuzzes' cases (each from seeds of its own) and their shares of the budget: every family but T5's; T5 and mT5;
+# more of generate's arguments on the first's cases.
+VARIANTS = {"families": ({}, 1.0), "t5": ({"families": T5S}, 1 / 3),
+            "generate_arguments": ({"arguments": True}, 1 / 3)}
 
 
-def test_fuzz_t5():
-    _fuzz(functools.partial(run_case, families=T5S), 2, share=1 / 3)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fuzz(variant):
+    drawn, share = VARIANTS[variant]
+    _fuzz(functools.partial(run_case, **drawn), 2, share)
 
 
-def test_fuzz_generate_arguments():
-    _fuzz(functools.partial(run_case, arguments=True), 2, share=1 / 3)
-
-
-# Found by test_fuzz_generate_arguments's first runs (391 of 6094 cases before the fixes, most of them these classes).
+# Found by test_fuzz[generate_arguments]'s first runs (391 of 6094 cases before the fixes, most of them these classes).
 ARGUMENT_REGRESSIONS: dict[int, str] = {
     700200285: "M2M100 beams, use_cache=False: HF numbers positions past the padding tokens it generated anew each "
                "step (lightgen now runs HF's loop there)",
@@ -992,16 +994,10 @@ def _bitwise(a, b) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
-def test_fuzz_half_precision():
-    _fuzz(run_half_case, 4)
-
-
-def test_fuzz_half_precision_t5():
-    _fuzz(functools.partial(run_half_case, families=T5S), 4, share=1 / 3)
-
-
-def test_fuzz_half_precision_generate_arguments():
-    _fuzz(functools.partial(run_half_case, arguments=True), 4, share=1 / 3)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fuzz_half_precision(variant):
+    drawn, share = VARIANTS[variant]
+    _fuzz(functools.partial(run_half_case, **drawn), 4, share)
 
 
 # Found by its first run (2 of 5670 cases): an OPT bf16 and a Gemma 3 fp16 prompt with prefill_chunk_size, HF's
