@@ -345,13 +345,13 @@ def _race_flips(mine, theirs, tolerance: float) -> dict[int, int]:
     return flips
 
 
-def _sampled_past_a_tie(got, expected, settings, rescored, sequences, hf_sequences, draws):
+def _sampled_past_a_tie(got, expected, settings, rescored, sequences, hf_sequences, draws, slot_ties=None):
     """(diverged, excused) where sampling drew from kept sets that differ at a filter edge's tie (``_edge_flips``;
     seen once in 12783 cases: BART beam sampling, top_k 12, the 12th and 13th tokens 5e-7 apart), or from probs
     whose race is a tie to fp32 rounding (``_race_flips``; ``draws()``: (lightgen's, HF's) ``_draws``): diverged
     maps each such row (beam sampling: sentence) to its step, from which its tokens and scores are fp32
     rounding's; excused marks the returned rows to leave out. A sampled row's tokens before its step must still
-    be HF's."""
+    be HF's. Beam sampling: also sentences whose beams may have swapped slots at a tie (``slot_ties()``)."""
     excused = torch.zeros(len(hf_sequences), dtype=torch.bool)
     if settings.get("return_dict_in_generate") and settings.get("output_scores"):
         mine_scores, hf_scores = got.scores, expected.scores
@@ -367,11 +367,18 @@ def _sampled_past_a_tie(got, expected, settings, rescored, sequences, hf_sequenc
     diverged = {}
     for row, step in flips.items():
         diverged[row // beams] = min(step, diverged.get(row // beams, step))
-    if any(row not in diverged and not torch.equal(sequences[row * per_row:(row + 1) * per_row],
-                                                   hf_sequences[row * per_row:(row + 1) * per_row])
-           for row in range(len(hf_sequences) // per_row)):
+
+    def unexplained() -> bool:
+        return any(row not in diverged and not torch.equal(sequences[row * per_row:(row + 1) * per_row],
+                                                           hf_sequences[row * per_row:(row + 1) * per_row])
+                   for row in range(len(hf_sequences) // per_row))
+
+    if unexplained():
         for row, step in _race_flips(*draws(), tolerance).items():
             diverged.setdefault(row, step)
+    if slot_ties is not None and unexplained():
+        for row, step in slot_ties().items():
+            diverged[row] = min(step, diverged.get(row, step))
     start = hf_sequences.shape[1] - len(hf_scores)  # the first generated position
     for row, step in diverged.items():
         rows = slice(row * per_row, (row + 1) * per_row)
@@ -412,7 +419,7 @@ def _padded_to(tensor: torch.Tensor, length: int, value: int) -> torch.Tensor:
 
 
 def _assert_close_scores(mine, theirs, what, beams: int = 1, tolerance: float = 1e-4, cuts=None,
-                         rounding=None, diverged=None) -> set[int]:
+                         rounding=None, diverged=None, slot_ties=None) -> set[int]:
     """Per-step scores within fp32 tolerance. In beam search, running beams whose scores tie to the last
     bits may come out in the other order (lightgen's logits are not HF's to the bit), so a step's rows
     may be a permutation within a sentence; and where two candidates tie at the cut that keeps ``beams``
@@ -421,7 +428,8 @@ def _assert_close_scores(mine, theirs, what, beams: int = 1, tolerance: float = 
     ``rounding()`` (HF's own fp32 error on this model, ``_hf_rounding``) widens it: a model whose residual stream
     grows to hundreds rounds HF's logits by 1e-4 and more too. Returns the sentences either happened to (their
     beam slots differ from HF's). ``diverged`` (``_sampled_past_a_tie``): rows (beam sampling: sentences) left out
-    after the step where they sampled past a filter edge's tie, and the steps compared only as far as both ran."""
+    after the step where they sampled past a filter edge's tie, and the steps compared only as far as both ran.
+    ``slot_ties()`` (beam sampling, ``_slot_ties``): sentences whose draws read swapped slots from a step on."""
     diverged = diverged or {}
 
     def assert_close(a, b, step):
@@ -445,6 +453,8 @@ def _assert_close_scores(mine, theirs, what, beams: int = 1, tolerance: float = 
                 if _same_rows_in_some_order(a[rows], b[rows], beams, tolerance):
                     swapped.add(sentence)
                 elif step > 0 and cuts is not None and _tie_at_cut(cuts()[step - 1][sentence], beams):
+                    cut.add(sentence)
+                elif slot_ties is not None and slot_ties().get(sentence, step + 1) <= step:
                     cut.add(sentence)
                 else:
                     assert_close(a[rows], b[rows], step)
@@ -483,15 +493,36 @@ def _beams_past_a_cut_tie(sequences, hf_sequences, per_sentence: int, beams: int
         rows = slice(sentence * per_sentence, (sentence + 1) * per_sentence)
         if torch.equal(sequences[rows], hf_sequences[rows]):
             continue
-        for step, (hf_cut, my_cut) in enumerate(zip(hf_cuts, my_cuts)):
-            theirs = hf_cut[sentence].sort(descending=True).values
-            mine = my_cut[sentence].sort(descending=True).values
-            if not _close(mine, theirs):
-                break  # the candidates parted before any tie
-            if _tie_at_cut(theirs, beams) and _tie_at_cut(mine, beams):
-                diverged[sentence], excused[rows] = step + 1, True
-                break
+        step = _shared_tie(hf_cuts, my_cuts, sentence, lambda candidates: _tie_at_cut(candidates, beams))
+        if step is not None:
+            diverged[sentence], excused[rows] = step + 1, True
     return diverged, excused
+
+
+def _shared_tie(hf_cuts, my_cuts, sentence: int, tied) -> int | None:
+    """The first step whose cut candidates of ``sentence`` hold a tie (``tied``) in HF's run and in lightgen's, with
+    lightgen's candidates HF's at every step up to it (None: no such step)."""
+    for step, (hf_cut, my_cut) in enumerate(zip(hf_cuts, my_cuts)):
+        theirs = hf_cut[sentence].sort(descending=True).values
+        mine = my_cut[sentence].sort(descending=True).values
+        if not _close(mine, theirs):
+            return None  # the candidates parted before any tie
+        if tied(theirs) and tied(mine):
+            return step
+    return None
+
+
+def _slot_ties(hf_cuts, my_cuts, beams: int) -> dict[int, int]:
+    """Beam sampling: sentence -> the step after the first cut where two of its kept candidates tie in both runs
+    (``_shared_tie``). The two beams may take each other's slots, and the next draw races over the sentence's beams
+    in slot order, so from that step on its draws, tokens and scores are fp32 rounding's (seen once in 1701 T5
+    cases: mT5 beam sampling, two kept candidates 4e-6 apart)."""
+    ties = {}
+    for sentence in range(len(hf_cuts[0]) if hf_cuts else 0):
+        step = _shared_tie(hf_cuts, my_cuts, sentence, lambda candidates: _tie_among_kept(candidates, beams))
+        if step is not None:
+            ties[sentence] = step + 1
+    return ties
 
 
 def _compare(got, expected, settings, rescored, cuts=None, rounding=None, my_cuts=None, draws=None):
@@ -505,11 +536,14 @@ def _compare(got, expected, settings, rescored, cuts=None, rounding=None, my_cut
     sequences, hf_sequences = (got.sequences, expected.sequences) if dict_out else (got, expected)
     order, replaced = None, torch.zeros(len(hf_sequences), dtype=torch.bool)
     diverged, excused = {}, replaced.clone()
+    slot_ties = None
+    if per_sentence and settings.get("do_sample") and cuts is not None and my_cuts is not None:
+        slot_ties = functools.cache(lambda: _slot_ties(cuts(), my_cuts(), settings["num_beams"]))
     if settings.get("do_sample") and len(sequences) == len(hf_sequences) and not torch.equal(sequences, hf_sequences):
         length = max(sequences.shape[1], hf_sequences.shape[1])
         sequences, hf_sequences = _padded_to(sequences, length, PAD), _padded_to(hf_sequences, length, PAD)
         diverged, excused = _sampled_past_a_tie(got, expected, settings, rescored, sequences, hf_sequences,
-                                                   draws)
+                                                   draws, slot_ties)
         sequences = torch.where(excused[:, None], hf_sequences, sequences)
     greedy = not settings.get("do_sample") and settings.get("num_beams", 1) == 1  # IAD and GAD included
     if greedy and rounding is not None and (sequences.shape != hf_sequences.shape
@@ -559,10 +593,10 @@ def _compare(got, expected, settings, rescored, cuts=None, rounding=None, my_cut
     if settings.get("output_scores"):
         scaled = (lambda: rounding() / min(temperature, 1.0)) if rounding is not None else None
         swapped |= _assert_close_scores(got.scores, expected.scores, "scores", beams, 1e-4 / min(temperature, 1.0),
-                                        cuts, scaled, diverged)
+                                        cuts, scaled, diverged, slot_ties)
     if settings.get("output_logits"):
         swapped |= _assert_close_scores(got.logits, expected.logits, "logits", beams, cuts=cuts, rounding=rounding,
-                                        diverged=diverged)
+                                        diverged=diverged, slot_ties=slot_ties)
     if getattr(expected, "beam_indices", None) is not None:
         if diverged:  # the sentences that sampled past an edge leave out; the rest as long as the longer run
             length = max(got.beam_indices.shape[1], expected.beam_indices.shape[1])
@@ -1119,6 +1153,24 @@ def test_fuzz_sampling_past_a_filter_edge_tie(seed):
 @pytest.mark.parametrize("seed", [74002333800775])
 def test_fuzz_sampling_past_a_race_tie(seed):
     run_case(seed)
+
+
+# mT5 beam sampling, top_k 11 (1 of 1701 T5 cases): two kept candidates 4e-6 apart took each other's slots, so the
+# next draw raced over the sentence's beams in the other order (the check; the returned tokens were HF's).
+@pytest.mark.parametrize("seed", [11038751600193])
+def test_fuzz_beam_sampling_past_a_slot_tie(seed):
+    run_case(seed, families=T5S)
+
+
+def test_only_a_slot_tie_in_both_runs_lets_beam_sampling_diverge():
+    beams, finished = 2, FINISHED_MARK * 10
+    hf = [torch.tensor([[0.0, -3.0, -5.0, finished]]), torch.tensor([[-1.0, -1.0 - 1e-6, -4.0, -6.0]])]
+    assert _slot_ties(hf, [cut.clone() for cut in hf], beams) == {0: 2}
+    apart = [hf[0], torch.tensor([[-1.0, -1.1, -4.0, -6.0]])]  # lightgen's kept candidates do not tie
+    assert _slot_ties(hf, apart, beams) == {}
+    parted = [torch.tensor([[0.0, -3.5, -5.0, finished]]), hf[1]]  # lightgen's candidates were not HF's before
+    assert _slot_ties(hf, parted, beams) == {}
+    assert _slot_ties([hf[0], hf[0]], [hf[0], hf[0]], beams) == {}  # no tie at all
 
 
 def test_only_a_race_tie_within_rounding_lets_a_sampled_row_diverge():
