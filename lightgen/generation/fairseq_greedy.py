@@ -221,8 +221,8 @@ class AggressiveGenerator:
         src_tokens = net_input["src_tokens"]
         rows, src_len = src_tokens.shape[:2]
         max_len = min(int(gen.max_len_a * src_len + gen.max_len_b), gen.max_len - 1)
-        if gen.min_len > max_len:
-            raise ValueError("min_len cannot be larger than max_len, please adjust these!")
+        if gen.min_len > max_len:  # fairseq's own check, word for word, and its type: SequenceGenerator asserts it
+            raise AssertionError("min_len cannot be larger than max_len, please adjust these!")
         encoder_out = gen.model.forward_encoder(net_input)[0]
         # Fed tokens: BOS and up to max_len outputs (the last EOS is never fed); drafts pad up to block_size.
         start_decoding = getattr(gen.model.single_model.decoder, START_DECODING_ATTR)

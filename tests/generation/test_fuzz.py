@@ -11,13 +11,9 @@ failed is kept in ``REGRESSIONS`` below.
 
 from __future__ import annotations
 
-import collections
 import copy
 import functools
-import math
-import os
 import random
-import time
 import warnings
 from unittest import mock
 
@@ -26,6 +22,7 @@ import torch
 import torch.nn.functional as F
 import transformers as tf
 
+from fuzzing import NEAR_TIE, ROUNDING_FACTOR, fuzz, tie, ties_in
 from models import BUILDERS
 
 import lightgen
@@ -223,10 +220,6 @@ def _same_rows_in_some_order(a, b, beams: int, tolerance: float = 1e-4) -> bool:
     return True
 
 
-# Returned hypotheses of one sentence whose HF scores are this close (relative) are a tie to fp32 rounding:
-# a sum of 8-64 log-probabilities, each a few ulps off HF's, decides their order (seen: two beam-6 hypotheses
-# of Marian 3.8e-6 apart, lightgen's scores 3e-6 from HF's).
-NEAR_TIE = 1e-5
 
 
 def _near_tie_order(got, expected, scores: torch.Tensor, per_sentence: int, got_scores: torch.Tensor | None = None):
@@ -251,31 +244,14 @@ def _near_tie_order(got, expected, scores: torch.Tensor, per_sentence: int, got_
             order[row] = match
         sentence_scores = scores[start:start + per_sentence]
         for row, other in zip(unmatched, left, strict=True):  # the rest, rank for rank
-            if got_scores is None or not _ties_in(got_scores[other], scores[row], sentence_scores):
+            if got_scores is None or not ties_in(got_scores[other], scores[row], sentence_scores):
                 return None
             order[row], replaced[row] = other, True
         permuted = [row for row in moved if row not in unmatched]
         tied = scores[permuted] if permuted else scores[:0]
-        if permuted and not _tie(tied.max(), tied.min()):
+        if permuted and not tie(tied.max(), tied.min()):
             return None
     return order, replaced
-
-
-def _ties_in(score, hf_score, hf_sentence_scores) -> bool:
-    """lightgen's hypothesis in place of HF's at a rank: its score ties HF's there, or it is at least as good and
-    ties another hypothesis HF returned for the sentence (a tied sibling HF lost at a beam cut: seen on BART, three
-    hypotheses of the same tokens in other orders within 4e-7, HF keeping two)."""
-    return _tie(score, hf_score) or (float(score) >= float(hf_score)
-                                     and any(_tie(score, other) for other in hf_sentence_scores))
-
-
-def _tie(score, other) -> bool:
-    """Within ``NEAR_TIE``, or equal: two infinite scores tie exactly (a processor's +inf, seen: every beam's EOS at
-    +inf from an exponential length penalty past the largest float, whose order torch.topk sets by the other
-    values), an infinite and a finite one never."""
-    score, other = float(score), float(other)
-    return score == other or (math.isfinite(score) and math.isfinite(other)
-                              and abs(score - other) <= NEAR_TIE * max(1.0, abs(other)))
 
 
 def _tied(scores: torch.Tensor, per_sentence: int) -> torch.Tensor:
@@ -467,7 +443,7 @@ def _assert_close_scores(mine, theirs, what, beams: int = 1, tolerance: float = 
 def _tie_at_cut(candidates: torch.Tensor, beams: int) -> bool:
     """Whether the last candidate kept and the first left out at a cut to ``beams`` running beams tie."""
     ranked = candidates.sort(descending=True).values
-    return ranked.numel() > beams and _tie(ranked[beams - 1], ranked[beams])
+    return ranked.numel() > beams and tie(ranked[beams - 1], ranked[beams])
 
 
 # HF's mark for a candidate that finished (or a duplicate start beam): not a running beam's score.
@@ -480,7 +456,7 @@ def _tie_among_kept(candidates: torch.Tensor, beams: int) -> bool:
     91997610101003: two beams equal to 1e-5 in score and in every next-token score)."""
     ranked = candidates.sort(descending=True).values[:beams]
     ranked = ranked[ranked > FINISHED_MARK]
-    return any(_tie(higher, lower) for higher, lower in zip(ranked[:-1], ranked[1:], strict=True))
+    return any(tie(higher, lower) for higher, lower in zip(ranked[:-1], ranked[1:], strict=True))
 
 
 def _beams_past_a_cut_tie(sequences, hf_sequences, per_sentence: int, beams: int, hf_cuts, my_cuts):
@@ -860,10 +836,6 @@ def _draws(model, kwargs, extra, seed: int) -> list[tuple[torch.Tensor, torch.Te
     return draws
 
 
-# lightgen's logits may be this many times further from HF's than HF's fp32 logits are from its fp64 ones.
-ROUNDING_FACTOR = 4.0
-
-
 def _hf_rounding(model, kwargs, sequences) -> float:
     """HF's own fp32 error on this case, at every position it generated from, teacher-forced on its own
     ``sequences`` (the prompt's last position alone misses a step whose context is ill-conditioned): the larger of
@@ -895,35 +867,6 @@ def _hf_rounding(model, kwargs, sequences) -> float:
     return largest
 
 
-def _budget_seconds() -> float:
-    if os.environ.get("LIGHTGEN_FUZZ_MINUTES"):
-        return 60 * float(os.environ["LIGHTGEN_FUZZ_MINUTES"])
-    return float(os.environ.get("LIGHTGEN_FUZZ_SECONDS", "90"))
-
-
-def _fuzz(run, described_by: int, share: float = 1.0) -> None:
-    """``run`` cases for ``share`` of the budget (``LIGHTGEN_FUZZ_CASE``: that one alone); a case's description's
-    first ``described_by`` words count its kind."""
-    if os.environ.get("LIGHTGEN_FUZZ_CASE"):
-        print(run(int(os.environ["LIGHTGEN_FUZZ_CASE"])))
-        return
-    base = int(os.environ.get("LIGHTGEN_FUZZ_SEED", time.time_ns() % 10**9))
-    deadline = time.monotonic() + share * _budget_seconds()
-    cases, failures, kinds = 0, [], collections.Counter()
-    while time.monotonic() < deadline:
-        seed = base * 100000 + cases
-        try:
-            kinds[" ".join(run(seed).split()[:described_by])] += 1
-        except AssertionError as error:
-            failures.append(f"LIGHTGEN_FUZZ_CASE={seed}: {error}")
-        cases += 1
-    print(f"fuzz: {cases} cases from base seed {base}, {len(failures)} differ from HF; by kind: "
-          f"{dict(sorted(kinds.items()))}")
-    if failures:
-        pytest.fail(f"{len(failures)} of {cases} fuzz cases (base seed {base}) differ from HF; rerun one with the "
-                    f"variable shown:\n" + "\n\n".join(failures))
-
-
 # The fuzzes' cases (each from seeds of its own) and their shares of the budget: every family but T5's; T5 and mT5;
 # more of generate's arguments on the first's cases.
 VARIANTS = {"families": ({}, 1.0), "t5": ({"families": T5S}, 1 / 3),
@@ -933,7 +876,7 @@ VARIANTS = {"families": ({}, 1.0), "t5": ({"families": T5S}, 1 / 3),
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fuzz(variant):
     drawn, share = VARIANTS[variant]
-    _fuzz(functools.partial(run_case, **drawn), 2, share)
+    fuzz(functools.partial(run_case, **drawn), 2, share)
 
 
 # Found by test_fuzz[generate_arguments]'s first runs (391 of 6094 cases before the fixes, most of them these classes).
@@ -1031,7 +974,7 @@ def _bitwise(a, b) -> bool:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fuzz_half_precision(variant):
     drawn, share = VARIANTS[variant]
-    _fuzz(functools.partial(run_half_case, **drawn), 4, share)
+    fuzz(functools.partial(run_half_case, **drawn), 4, share)
 
 
 # Found by its first run (2 of 5670 cases): an OPT bf16 and a Gemma 3 fp16 prompt with prefill_chunk_size, HF's
