@@ -50,8 +50,8 @@ REGRESSIONS: dict[int, str] = {
     9845118504584: "beam 5: the same, scores 2e-5 apart (the check)",
     9845118505090: "diverse beams on an ill-conditioned d=8 model: fairseq's teacher-forced fp32 2.4e-4 from fp64 (the "
                    "check)",
-    98758839705043: "IAD, min_len past max_len: lightgen raised ValueError where fairseq asserts (AssertionError); 22 of "
-                    "529 IAD cases",
+    98758839705043: "IAD, min_len past max_len: lightgen raised ValueError where fairseq asserts (AssertionError); "
+                    "22 of 529 IAD cases",
 }
 
 
