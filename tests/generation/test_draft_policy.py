@@ -228,6 +228,28 @@ def test_an_unfitted_line_tries_the_unseen_widths():
     assert cost.fitted() and policy.plan(torch.tensor([8])).tolist() == [8]
 
 
+def test_a_line_of_the_greedy_count_alone_batches_greedy_steps():
+    """Drafts never found (random text, chat): no pass wider than the greedy steps ran, so the line holds their count
+    alone and more of them cannot fit it; they run until the next probe is due, not one a plan (IAD was 0.65x greedy
+    on a random Llama at batch 1: each token paid a drafting iteration's bookkeeping, and a probe every other step)."""
+    cost = PassCost()
+    for _ in range(2):
+        cost.observe(1, 0.0005)
+        cost.observe_around(True, 1, 0.0003)
+        cost.observe_around(False, 1, 0.00005)
+    assert cost.knows(1) and not cost.fitted()
+    policy = DraftPolicy(1, cost)
+    policy.missed = np.array([10.0])  # its asks came back empty
+    assert policy.plan(torch.tensor([8])).tolist() == [0]
+    assert policy.greedy_steps() == 16  # a probe (0.25 ms more than a step) within 3% of the steps' time
+    unseen = PassCost()  # the greedy steps' count not yet in the line: one step, which gives it that count
+    for _ in range(2):
+        unseen.observe(9, 0.009)
+    policy = DraftPolicy(1, unseen)
+    policy.missed = np.array([10.0])
+    assert policy.plan(torch.tensor([8])).tolist() == [0] and policy.greedy_steps() == 1
+
+
 def test_one_slow_time_does_not_price_a_width():
     """A shape's first run in a process is slow (buffers allocated, caches cold): one slow time at a count must not
     make that width look dear, or the policy never drafts it (nor times it) again (the demo model's IAD stayed on
