@@ -106,7 +106,7 @@ def accelerated_generate(model: nn.Module, inputs=None, generation_config=None, 
     """``model.generate`` after ``accelerate_model``: HF's arguments and outputs, lightgen's loop.
 
     ``decoding="iad"`` runs greedy decoding with input-guided aggressive decoding (drafts copied
-    from the input, verified in one pass, at most ``max_draft`` tokens each; by default 16 for one row,
+    from the input, verified in one pass, at most ``max_draft`` tokens each; by default 32 for one row,
     fewer as the batch grows, see ``aggressive.DraftBudget``): the same tokens as
     greedy, in fewer decoder passes when the output resembles the input. ``draft_ids`` (one token
     list per row) replaces the input as the text drafts are copied from.
