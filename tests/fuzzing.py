@@ -36,6 +36,18 @@ def tie(score, other) -> bool:
                               and abs(score - other) <= NEAR_TIE * max(1.0, abs(other)))
 
 
+def first_shared_tie(theirs, mine, tied, close) -> int | None:
+    """The first step whose candidates (per step, the reference's ``theirs`` and lightgen's ``mine``) hold a tie
+    (``tied``) in both runs, with lightgen's candidates the reference's (``close``) at every step up to it (None: no
+    such step): from there, which candidate runs on is fp32 rounding's."""
+    for step, (their_step, my_step) in enumerate(zip(theirs, mine)):
+        if not close(my_step, their_step):
+            return None  # the candidates parted before any tie
+        if tied(their_step) and tied(my_step):
+            return step
+    return None
+
+
 def _budget_seconds() -> float:
     if os.environ.get("LIGHTGEN_FUZZ_MINUTES"):
         return 60 * float(os.environ["LIGHTGEN_FUZZ_MINUTES"])

@@ -109,7 +109,7 @@ class PassCost:
         return float(self._steps(rows)) if self._steps is not None and self._steps.seen() else 0.0
 
     def seen(self) -> bool:
-        """Whether some count is in the line (timed twice)."""
+        """Whether the line prices passes: some count is in it (timed twice), or it is given."""
         return bool(self._means)
 
     def knows(self, positions: int) -> bool:
@@ -170,6 +170,9 @@ class FixedPassCost(PassCost):
 
     def around(self, drafting: bool, rows: int) -> float:
         return self._drafting if drafting else 0.0
+
+    def seen(self) -> bool:
+        return True
 
     def fitted(self) -> bool:
         return True
@@ -316,7 +319,7 @@ class DraftPolicy:
         rows = self._sizes.shape[0]
         greedy = float(self.cost(rows)) + self.cost.around(False, rows)
         probe = float(self.cost(2 * rows)) + self.cost.around(True, rows) + self.cost.drafting_step(rows)
-        if not (self.cost.fitted() or self.cost.seen()) or greedy <= 0:  # no pass timed yet
+        if not self.cost.seen() or greedy <= 0:  # no pass timed yet
             return FIRST_PROBE_WAIT
         return int(min(max(math.ceil((probe - greedy) / (PROBE_SHARE * greedy)), FIRST_PROBE_WAIT),
                        LONGEST_PROBE_WAIT))

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 import transformers as tf
 
-from fuzzing import NEAR_TIE, ROUNDING_FACTOR, fuzz, tie, ties_in
+from fuzzing import NEAR_TIE, ROUNDING_FACTOR, first_shared_tie, fuzz, tie, ties_in
 from models import BUILDERS
 
 import lightgen
@@ -476,16 +476,11 @@ def _beams_past_a_cut_tie(sequences, hf_sequences, per_sentence: int, beams: int
 
 
 def _shared_tie(hf_cuts, my_cuts, sentence: int, tied) -> int | None:
-    """The first step whose cut candidates of ``sentence`` hold a tie (``tied``) in HF's run and in lightgen's, with
-    lightgen's candidates HF's at every step up to it (None: no such step)."""
-    for step, (hf_cut, my_cut) in enumerate(zip(hf_cuts, my_cuts)):
-        theirs = hf_cut[sentence].sort(descending=True).values
-        mine = my_cut[sentence].sort(descending=True).values
-        if not _close(mine, theirs):
-            return None  # the candidates parted before any tie
-        if tied(theirs) and tied(mine):
-            return step
-    return None
+    """``first_shared_tie`` over the ranked cut candidates of ``sentence`` in HF's run and in lightgen's."""
+    def ranked(cuts):
+        return [cut[sentence].sort(descending=True).values for cut in cuts]
+
+    return first_shared_tie(ranked(hf_cuts), ranked(my_cuts), tied, _close)
 
 
 def _slot_ties(hf_cuts, my_cuts, beams: int) -> dict[int, int]:

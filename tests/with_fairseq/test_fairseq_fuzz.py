@@ -28,7 +28,7 @@ import fairseq_models as fm  # noqa: E402
 from fairseq import search  # noqa: E402
 from test_fairseq_api import SCORE_TOL  # noqa: E402
 
-from fuzzing import ROUNDING_FACTOR, fuzz, tie, ties_in  # noqa: E402
+from fuzzing import ROUNDING_FACTOR, first_shared_tie, fuzz, tie, ties_in  # noqa: E402
 
 import lightgen  # noqa: E402
 from lightgen.generation.drafting import DrafterConfig, NARDrafter  # noqa: E402
@@ -243,21 +243,18 @@ def _cut_ties(fairseq_steps: dict, lightgen_steps: dict, beams: int) -> set[int]
     do not end in EOS (the running beams) tie with the next one. Which of the two goes on is fp32 rounding's, and the
     hypotheses that grow from it may be any (seen: beams of repeated tokens with one other token at every place, their
     scores 2e-5 apart)."""
+
     def tied(candidates) -> bool:
         scores, ends = candidates
         running = scores[~ends]
         return (scores.numel() > beams and tie(scores[beams - 1], scores[beams])) or \
             (running.numel() > beams and tie(running[beams - 1], running[beams]))
 
-    found = set()
-    for sentence, theirs in fairseq_steps.items():
-        for fairseq_step, lightgen_step in zip(theirs, lightgen_steps.get(sentence, [])):
-            if not torch.allclose(fairseq_step[0], lightgen_step[0], rtol=1e-4, atol=1e-4):
-                break  # the candidates parted before any tie
-            if tied(fairseq_step) and tied(lightgen_step):
-                found.add(sentence)
-                break
-    return found
+    def close(mine, theirs) -> bool:
+        return torch.allclose(mine[0], theirs[0], rtol=1e-4, atol=1e-4)
+
+    return {sentence for sentence, theirs in fairseq_steps.items()
+            if first_shared_tie(theirs, lightgen_steps.get(sentence, []), tied, close) is not None}
 
 
 def test_fairseq_fuzz():
