@@ -238,6 +238,20 @@ def test_settings_iad_cannot_reproduce_are_named(settings, reason):
     assert "ensemble" in iad_unsupported(fm.generator([model, fm.build(1)], fm.dictionary(), beam_size=1))
 
 
+def test_min_len_past_the_length_limit_raises_as_fairseq_does():
+    """fairseq asserts min_len <= the length limit (AssertionError); IAD raised ValueError (the fairseq fuzz: 22 of 529
+    IAD cases)."""
+    model = fm.build(0)
+    sample = fm.source_batch(fm.dictionary(), 2, 5, 0)
+    settings = dict(beam_size=1, min_len=9, max_len_a=0, max_len_b=4)
+    with pytest.raises(AssertionError) as fairseq_error:
+        fm.generator([model], fm.dictionary(), **settings).generate([model], sample)
+    accelerated = _on_lightgen(model)
+    with pytest.raises(AssertionError) as lightgen_error:
+        AggressiveGenerator(fm.generator([accelerated], fm.dictionary(), **settings)).generate([accelerated], sample)
+    assert str(lightgen_error.value) == str(fairseq_error.value)
+
+
 def test_a_model_not_accelerated_is_named():
     generator = fm.generator([fm.build(0)], fm.dictionary(), beam_size=1)
     assert "lightgen.accelerate_model" in iad_unsupported(generator)
