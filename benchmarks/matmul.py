@@ -10,8 +10,8 @@ Providers: ``aten`` (F.linear, MKL), ``onednn`` (weights packed by torch.utils.m
 ``lightgen`` fp32 / bf16 / int8 / int4 (packed panels, what accelerate_model runs; bf16, int8
 and int4 are weight-only, int8 / int4 group-wise: ops.linear_grouped), ``lightgen-int8-dynamic``
 (``quantize="int8-dynamic"``: the same int8 weights times int8 activations per group of 32, int32 dot
-products (VNNI or AVX2), from INT8_ACTIVATION_MIN_ROWS rows on), ``lightgen-int4-dynamic`` (``quantize="int4-dynamic"``:
-int4's weights times int8 activations, from INT4_ACTIVATION_MIN_ROWS rows on), ``fbgemm-int8`` (torch dynamic
+products (VNNI or AVX2), at every row count), ``lightgen-int4-dynamic`` (``quantize="int4-dynamic"``:
+int4's weights times int8 activations, at every row count), ``fbgemm-int8`` (torch dynamic
 quantization, int8 activations per tensor, fbgemm's int8 GEMM). ``--shapes smollm2`` runs SmolLM2-135M's step
 instead: 30 layers of q (576x576), k, v (192x576), o (576x576), gate, up (1536x576), down (576x1536), and the tied
 LM head (49152x576).
@@ -45,9 +45,8 @@ BANDWIDTH_FLOATS = 64 << 20  # 256 MB: far beyond the caches
 PROVIDERS = ("aten", "onednn", "lightgen-inplace", "lightgen", "lightgen-bf16", "lightgen-int8",
              "lightgen-int8-dynamic", "lightgen-int4", "lightgen-int4-dynamic", "fbgemm-int8")
 # Bytes streamed per weight, scales and zero points included (int8: 4 bytes per 32; int4: 8 per 32). int8-dynamic
-# from INT8_ACTIVATION_MIN_ROWS rows on reads the dot-product copy: 1 byte + a float scale and an int32 sum per 32;
-# int4-dynamic's has int4's bytes.
-BYTES_PER_WEIGHT = {"lightgen-bf16": 2, "lightgen-int8": 1 + 4 / 32, "lightgen-int8-dynamic": 1 + 4 / 32,
+# reads the dot-product layout: 1 byte + a float scale and an int32 sum per 32; int4-dynamic's has int4's bytes.
+BYTES_PER_WEIGHT = {"lightgen-bf16": 2, "lightgen-int8": 1 + 4 / 32, "lightgen-int8-dynamic": 1 + 8 / 32,
                     "lightgen-int4": 0.5 + 8 / 32, "lightgen-int4-dynamic": 0.5 + 8 / 32, "fbgemm-int8": 1}
 SHAPES = {  # (out_features, in_features, bias) per matmul of one decode step
     "bart": ([(D_MODEL, D_MODEL, True)] * 6 + [(FFN, D_MODEL, True), (D_MODEL, FFN, True)]) * LAYERS

@@ -54,7 +54,7 @@ CONFIGS = {
     "int8 zp g64": ("int8", QuantFormat(8, 64, True)),
     "int8 zp g32": ("int8", QuantFormat(8, 32, True)),
     "int8 g32 auto": ("int8", QuantFormat(8, 32, None)),  # zero points per weight where they halve the error
-    # int8 activations too (lossy), per group of the weight's group size, from INT8_ACTIVATION_MIN_ROWS rows on
+    # int8 activations too (lossy), per row and group of the weight's group size, at every row count
     "int8-dynamic g32 auto": ("int8-dynamic", QuantFormat(8, 32, None, activations=True)),
     "int8-dynamic g128": ("int8-dynamic", QuantFormat(8, 128, activations=True)),
     "int4 sym g128": ("int4", QuantFormat(4, 128)),
@@ -63,7 +63,7 @@ CONFIGS = {
     "int4 zp g128": ("int4", QuantFormat(4, 128, True)),
     "int4 zp g64": ("int4", QuantFormat(4, 64, True)),
     "int4 zp g32": ("int4", QuantFormat(4, 32, True)),
-    # int4's weights with int8 activations per group of 32 from INT4_ACTIVATION_MIN_ROWS rows on (int8-dynamic head)
+    # int4's weights with int8 activations per row and group of 32 at every row count (int8-dynamic head)
     "int4-dynamic zp g32": ("int4-dynamic", None),
 }
 QUICK_CONFIGS = ("fp32", "bf16", "int8 per channel", "int8 g64", "int8 g32", "int8 zp g32", "int8 g32 auto",

@@ -89,7 +89,7 @@ def accelerate_model(model, *, quantize: str | None = None, pack: bool = True, *
     runs them in their own layout, slower, at no extra memory). ``quantize="int8"`` (weight-only
     int8 with a scale per 32 input features of a column, +28%), ``"int4"`` (4-bit with a scale and a
     zero point per 32, +19%) or ``"bf16"`` (+50%) makes that copy compact: faster and lossy; the default
-    float32 keeps outputs exact. ``"int8-dynamic"`` (+56%) is int8 that from 2 rows on also rounds the
+    float32 keeps outputs exact. ``"int8-dynamic"`` (+31%) is int8 that also rounds each row's
     activations to int8 per 32 (CPUs with AVX2 or AVX-512; elsewhere plain int8): faster there, lossier;
     ``"int4-dynamic"`` (+19%) is int4 with int8 activations in the same way (elsewhere plain int4). Calling it
     twice with the same settings is a no-op; ``restore_model`` undoes it.

@@ -6,9 +6,9 @@ columns stored k after k, one sequential stream per thread (benchmarks/matmul.py
 step: 28 GB/s at batch 1, 86% of the measured bandwidth, against 26 GB/s on the [N, K] layout and
 11 GB/s for MKL; 1.5x faster than [N, K] at batch 8).
 The copy costs, per packed layer, +100% of its fp32 weight bytes (fp32), +50% (bf16), +28% (int8: 8 bits
-+ a float scale per 32 weights), +16% (int4: 4 bits + a float16 scale and zero point per 32), +56% (int8-dynamic
-with a SIMD int8-dot kernel: int8's copy plus the dot-product layout, 8 bits + an int32 group sum per 32 more),
-+16% (int4-dynamic with one: its dot-product layout in place of int4's panels, the same bytes as int4).
++ a float scale per 32 weights), +16% (int4: 4 bits + a float16 scale and zero point per 32), +31% (int8-dynamic
+with a SIMD int8-dot kernel: int8's bytes in the dot-product layout in place of its panels, + an int32 group sum
+per 32), +16% (int4-dynamic with one: its dot-product layout in place of int4's panels, the same bytes as int4).
 ``pack=False`` keeps fp32 at zero extra memory and runs the kernels on the original layout (HF
 Conv1D's [K, N] weight is read as panels in place: fine in isolation, but 1.4x slower than packed in
 a GPT-2 decode step, where the strided rows miss DRAM pages).
@@ -41,9 +41,10 @@ class QuantFormat:
     bits: int
     group_size: int
     zero_points: bool | None = False
-    # Lossy: from LinearWeights.dot_min_rows rows on, x is rounded to int8 per group too and the dot products run
-    # in int32 (ops.linear_int8_dynamic), where it has a SIMD kernel (ops.linear.int8_dot_kernel: AVX2 or AVX-512
-    # VNNI; elsewhere the weight-only path). int4: with zero points.
+    # Lossy: x is rounded to int8 per row and group too and the dot products run in int32 (ops.linear_int8_dynamic),
+    # where it has a SIMD kernel (ops.linear.int8_dot_kernel: AVX2 or AVX-512 VNNI; elsewhere the weight-only path).
+    # At every row count (ACTIVATION_ROUNDING), so a row's result never depends on the rows beside it. int4: with
+    # zero points.
     activations: bool = False
 
 
@@ -65,31 +66,28 @@ HEAD_PRECISION = {"int4": "int8", "int4-dynamic": "int8-dynamic"}
 # 256 rows; the in-place layouts from 64 rows on are as fast as ATen's blocked GEMM or slower.
 PACKED_MAX_ROWS = 256
 IN_PLACE_MAX_ROWS = 48
-# int8-dynamic: from this many rows on the int8-activation kernel runs (below: linear_grouped, weight-only, exactly
-# quantize="int8"). benchmarks/matmul.py --shapes smollm2 (211 matmuls, 1 thread, AVX-512 VNNI Zen 4, other
-# processes on 52-67% of the CPUs), ms a step int8 / int8 activations: 1 row 13.4 / 14.6 and 19.3 / 17.7 (a tie:
-# both stream the same bytes, the weight-only one exactly), 2 rows 18.0 / 15.0 and 20.7 / 11.0, 4 rows
-# 17.2 / 14.6 and 28.3 / 23.1, 8 rows 30.1 / 17.8, 16: 56.4 / 27.9, 32: 109 / 49.9, 64: 304 / 150.
-INT8_ACTIVATION_MIN_ROWS = 2
-# int4-dynamic: the same for int4's weights. From every row count on (0: its int4 panels are not kept): at 1 row
-# int4's fp32 dequantize already costs more than rounding x. benchmarks/matmul.py --shapes smollm2 --providers
-# lightgen-int4 lightgen-int4-dynamic (1 thread, AVX-512 VNNI Zen 4, commit e57d755, before int4's group-sum kernel;
-# quiet: other processes 0% of the CPUs, 23.9 GB/s), ms a step int4 / int4 weights x int8 activations: 1 row
-# 9.06 / 6.09, 2: 11.1 / 6.70, 4: 14.9 / 9.48, 8: 29.1 / 14.2, 16: 54.4 / 22.4, 32: 103 / 37.6 (earlier, others on
-# 51%: 1 row 12.8 / 10.5, 8 rows 38.5 / 18.7).
-INT4_ACTIVATION_MIN_ROWS = 0
+# ACTIVATION_ROUNDING: int8-dynamic and int4-dynamic round activations at every row count, the weight-only panels
+# are not kept. Rounding from 2 rows on only (int8-dynamic until 2026-12-07: weight-only at 1 row, exactly "int8")
+# made a row's tokens depend on the rows beside it: batch-1 greedy steps ran weight-only where a batch's steps and
+# IAD's verification passes rounded, and IAD left greedy (tests/adapters/test_quantize.py). At 1 row the two
+# int8 kernels tie, streaming the same bytes (benchmarks/matmul.py --shapes smollm2, 211 matmuls, 1 thread,
+# AVX-512 VNNI Zen 4, other processes on 52-67% of the CPUs, ms a step int8 / int8 activations: 1 row 13.4 / 14.6
+# and 19.3 / 17.7; 2 rows 18.0 / 15.0 and 20.7 / 11.0, 8 rows 30.1 / 17.8, 64: 304 / 150); int4's fp32 dequantize
+# costs more than rounding x (--providers lightgen-int4 lightgen-int4-dynamic, 1 thread, commit e57d755, before
+# int4's group-sum kernel, quiet: others 0%, 23.9 GB/s; ms int4 / int4-dynamic: 1 row 9.06 / 6.09, 2: 11.1 / 6.70,
+# 8: 29.1 / 14.2, 32: 103 / 37.6).
 
 
 @dataclasses.dataclass(frozen=True)
 class LinearWeights:
-    # packed panels, or the module's own Parameter ([N, K]; Conv1D: [K, N]); int4-dynamic: ``dot``, the only copy
+    # packed panels, or the module's own Parameter ([N, K]; Conv1D: [K, N]); int8/int4-dynamic: ``dot``, the only copy
     weight: torch.Tensor
     out_features: int
     scale: torch.Tensor | None = None  # group-wise quantized: [P, G, 64] float32 (ops.linear_grouped)
     offset: torch.Tensor | None = None  # with zero points: [P, G, 64] float32
     group_size: int = 0  # > 0: quantized group-wise
-    # int8-dynamic / int4-dynamic: the weight again in ops.pack_int8_dot's layout ([P, ceil(K / 4), 64, 4] int8;
-    # int4: [P, ceil(K / 8), 64, 4] uint8) and its group sums (int8 only)
+    # int8-dynamic / int4-dynamic: the weight in ops.pack_int8_dot's layout ([P, ceil(K / 4), 64, 4] int8; int4:
+    # [P, ceil(K / 8), 64, 4] uint8; ``weight`` is the same tensor) and its group sums (int8 only)
     dot: torch.Tensor | None = None
     dot_sums: torch.Tensor | None = None
     conv1d: bool = False  # the weight is HF Conv1D's own [K, N] Parameter, read transposed in place
@@ -108,13 +106,6 @@ class LinearWeights:
             return math.inf
         return PACKED_MAX_ROWS if self.source is not None else IN_PLACE_MAX_ROWS
 
-    @property
-    def dot_min_rows(self) -> int:
-        """From how many rows of x the int8-activation kernel runs (0 with no dot-product copy: never)."""
-        if self.dot is None:
-            return 0
-        return INT4_ACTIVATION_MIN_ROWS if self.dot.dtype == torch.uint8 else INT8_ACTIVATION_MIN_ROWS
-
     def takes(self, x: torch.Tensor) -> bool:
         """Whether the kernel runs ``x``: float32 on the CPU, and few rows unless quantized."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.device.type != "cpu":
@@ -126,7 +117,7 @@ class LinearWeights:
         return self.source is not None and self.source != (weight._version, weight.data_ptr())
 
     def run(self, x: torch.Tensor, bias: torch.Tensor | None, act: str = "none") -> torch.Tensor:
-        if self.dot is not None and x.numel() >= self.dot_min_rows * x.shape[-1]:
+        if self.dot is not None:
             return ops.linear_int8_dynamic(x, self.dot, self.scale, self.offset, self.dot_sums, bias, act,
                                            self.out_features, self.group_size)
         if self.group_size:
@@ -161,8 +152,8 @@ def packed_weights(weight: torch.Tensor, precision: str | None, fmt: QuantFormat
         packed, scale, offset = zero_point if errors[1] <= ZERO_POINT_ERROR_RATIO * errors[0] else symmetric
     dot, dot_sums = (pack_int8_dot(packed, fmt.group_size, weight.shape[1]) if fmt.activations and int8_dot_available()
                      else (None, None))
-    if dot is not None and fmt.bits == 4:
-        packed = dot  # INT4_ACTIVATION_MIN_ROWS: the int4 panels would never be read
+    if dot is not None:
+        packed = dot  # ACTIVATION_ROUNDING: the weight-only panels would never be read
     return LinearWeights(packed, weight.shape[0], scale, offset, fmt.group_size, dot, dot_sums, precision=precision)
 
 

@@ -152,7 +152,7 @@ def plan(spec) -> Plan | None:
         for module in linears:
             if module is None:
                 tensors += [None] * 6
-                ints += [0, 0, 0]
+                ints += [0, 0]
                 continue
             weights = current_weights(module)
             if weights is None or weights.weight.device.type != "cpu":
@@ -160,7 +160,7 @@ def plan(spec) -> Plan | None:
             max_rows = min(max_rows, weights.max_rows)
             tensors += [weights.weight.t() if weights.conv1d else weights.weight, weights.scale, weights.offset,
                         module.bias, weights.dot, weights.dot_sums]
-            ints += [weights.out_features, weights.group_size, weights.dot_min_rows]
+            ints += [weights.out_features, weights.group_size]
     first = spec.layers[0]
     attn, cross = first.self_attn, first.cross_attn
     qk_eps = next((_epsilon(layer.self_attn.q_norm) for layer in spec.layers if layer.self_attn.q_norm), 0.0)

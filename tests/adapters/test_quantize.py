@@ -9,7 +9,7 @@ from models import BUILDERS, DECODER_ONLY, SEQ2SEQ, build, forward_logits, padde
 
 import lightgen
 from lightgen.modules.decoder import DECODER_ATTR
-from lightgen.modules.linear import INT4_ACTIVATION_MIN_ROWS, INT8_ACTIVATION_MIN_ROWS, LinearWeights
+from lightgen.modules.linear import LinearWeights
 from lightgen.ops.linear import int8_dot_available
 
 GENERATING = SEQ2SEQ + DECODER_ONLY
@@ -72,10 +72,7 @@ def test_quantized_generate_runs_the_engine_and_mostly_agrees_with_fp32(family, 
     for name in rows_run:
         monkeypatch.setattr(lightgen.ops, name, counted(name))
     model = build(family, seed=4)
-    # int8-dynamic: a batch of INT8_ACTIVATION_MIN_ROWS puts that many rows in every decode step's matmuls
-    # (int4-dynamic: its layers' INT4_ACTIVATION_MIN_ROWS and its int8-dynamic head's INT8_ACTIVATION_MIN_ROWS).
-    assert INT4_ACTIVATION_MIN_ROWS <= INT8_ACTIVATION_MIN_ROWS
-    ids, mask = padded_batch(family, 4 if precision == "int8" else INT8_ACTIVATION_MIN_ROWS, 9, seed=4)
+    ids, mask = padded_batch(family, 4 if precision == "int8" else 2, 9, seed=4)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=1)
     expected = model.generate(**kwargs)
     quantized = lightgen.accelerate_model(copy.deepcopy(model), quantize=precision)
@@ -87,13 +84,31 @@ def test_quantized_generate_runs_the_engine_and_mostly_agrees_with_fp32(family, 
     assert (got == expected).float().mean() >= 0.5
     if precision == "int8" or not int8_dot_available():
         assert rows_run["linear_int8_dynamic"] == [] and rows_run["linear_grouped"]
-    elif precision == "int4-dynamic":  # every step has enough rows for every layer
+    else:  # int8 activations at every row count (one row: test_dynamic_weights_round_activations_at_every_row_count)
         assert rows_run["linear_int8_dynamic"] and rows_run["linear_grouped"] == []
-        assert min(rows_run["linear_int8_dynamic"]) == INT8_ACTIVATION_MIN_ROWS
-    else:  # int8 activations on the prompt and wherever a step has that many rows; the weight-only kernel below
-        assert max(rows_run["linear_int8_dynamic"]) > INT8_ACTIVATION_MIN_ROWS
-        assert min(rows_run["linear_int8_dynamic"]) >= INT8_ACTIVATION_MIN_ROWS
-        assert all(rows < INT8_ACTIVATION_MIN_ROWS for rows in rows_run["linear_grouped"])
+
+
+@pytest.mark.parametrize("precision", ["int8", "int8-dynamic", "int4", "int4-dynamic", "bf16"])
+@pytest.mark.parametrize("family", ["bart", "llama", "gpt2"])
+def test_a_quantized_rows_tokens_do_not_depend_on_the_rows_beside_it(family, precision):
+    """A row rounds its own activations, so its tokens are the same alone, in a batch and under IAD (whose passes
+    verify several positions of one row at once): before, int8-dynamic rounded activations only from 2 rows on, so
+    batch-1 greedy steps ran weight-only where a batch's and IAD's passes rounded (int4-dynamic's LM head too)."""
+    model = lightgen.accelerate_model(build(family, seed=5), quantize=precision)
+    ids, mask = padded_batch(family, 4, 9, seed=5)
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=1)
+    prompt = ids.shape[1] if family in DECODER_ONLY else 0  # decoder-only outputs start with the (padded) prompt
+    with torch.no_grad():
+        batch = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        for row in range(ids.shape[0]):
+            real = ids[row:row + 1, mask[row].bool()]
+            alone = model.generate(input_ids=real, attention_mask=torch.ones_like(real), **kwargs)
+            new = alone[0, real.shape[1] if family in DECODER_ONLY else 0:]
+            in_batch = batch[row, prompt:]
+            assert torch.equal(in_batch[:len(new)], new), f"row {row}"
+            assert bool((in_batch[len(new):] == 1).all()), f"row {row}: past its end in the batch"
+            iad = model.generate(input_ids=real, attention_mask=torch.ones_like(real), decoding="iad", **kwargs)
+            assert torch.equal(iad, alone), f"row {row}: IAD"
 
 
 def test_quantized_training_forward_uses_fp32_weights():

@@ -228,15 +228,15 @@ def test_the_native_op_names_what_is_wrong_with_its_arguments():
     state = decoder.start(2, 6, torch.float32, "cpu")
     hidden = torch.randn(2, 1, decoder.spec.token_embedding.shape[1])
     try:
-        tensors, ints = [None] * 66 * 2, [0] * 29 * 2
+        tensors, ints = [None] * 66 * 2, [0] * 20 * 2
         with pytest.raises(RuntimeError, match="'weights' must hold 66 tensors per layer"):
             native_step.layer_weights(tensors[:-1], ints)
-        with pytest.raises(RuntimeError, match="'layer_ints' must hold 29 values per layer"):
+        with pytest.raises(RuntimeError, match="'layer_ints' must hold 20 values per layer"):
             native_step.layer_weights(tensors, ints[:-1])
         layers = len(decoder.spec.layers)
         with pytest.raises(RuntimeError, match=f"'weights' are {layers + 1} layers' but the caches are {layers}"):
             native_step.run(dataclasses.replace(plan, weights=native_step.layer_weights(
-                [None] * 66 * (layers + 1), [0] * 29 * (layers + 1))), state, hidden, [], None)
+                [None] * 66 * (layers + 1), [0] * 20 * (layers + 1))), state, hidden, [], None)
         with pytest.raises(RuntimeError, match="the caches decode 2 rows but 'hidden' has 3"):
             native_step.run(plan, state, torch.randn(3, 1, hidden.shape[-1]), [], None)
         with pytest.raises(RuntimeError, match="'hidden' must be float32"):

@@ -7,8 +7,6 @@ from conftest import linear_operand
 
 from lightgen import _build, ops
 from lightgen.modules.linear import (
-    INT4_ACTIVATION_MIN_ROWS,
-    INT8_ACTIVATION_MIN_ROWS,
     QuantFormat,
     packed_weights,
 )
@@ -435,31 +433,28 @@ def test_opcheck_int8_dynamic(fmt):
                           (torch.randn(3, 33), dot, scale, offset, sums, torch.randn(24), "gelu", 24, 8))
 
 
-@pytest.mark.parametrize(("precision", "min_rows"),
-                         [("int8", INT8_ACTIVATION_MIN_ROWS), ("int4", INT4_ACTIVATION_MIN_ROWS)])
-def test_dynamic_weights_choose_the_kernel_by_rows(monkeypatch, precision, min_rows):
-    """Below INT8_ACTIVATION_MIN_ROWS rows the weight-only kernel runs (bit-identical to quantize="int8"), from there
-    on the int8-activation one; int4 runs it from 0 rows and keeps no int4 panels beside its dot-product layout;
-    without a SIMD int8-dot kernel only the weight-only one."""
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_dynamic_weights_round_activations_at_every_row_count(monkeypatch, precision):
+    """int8-dynamic and int4-dynamic run the int8-activation kernel at every row count, on the weight-only grid in
+    the dot-product layout (no weight-only panels beside it), and each row's result is the same whatever rows run
+    with it; without a SIMD int8-dot kernel only the weight-only one."""
     weight, bias = torch.randn(96, 80), torch.randn(96)
     weight_only = packed_weights(weight, precision)
     if not int8_dot_available():
         assert packed_weights(weight, f"{precision}-dynamic").dot is None
         pytest.skip("this CPU or build has no SIMD int8-dot kernel")
     dynamic = packed_weights(weight, f"{precision}-dynamic")
-    assert dynamic.dot is not None and dynamic.dot_min_rows == min_rows and weight_only.dot_min_rows == 0
-    if min_rows:
-        assert torch.equal(dynamic.weight, weight_only.weight)
-    else:
-        assert dynamic.weight is dynamic.dot and dynamic.quantized
-        assert torch.equal(dynamic.dot, pack_int8_dot(weight_only.weight, 32, 80)[0])  # int4's own grid
-    assert dynamic.max_rows == math.inf  # the native decode step runs both kernels, as run() picks them
-    for rows in sorted({0, 1, max(min_rows - 1, 1), min_rows, 33}):
-        x = torch.randn(rows, 80)
-        expected = (ops.linear_int8_dynamic(x, dynamic.dot, dynamic.scale, dynamic.offset, dynamic.dot_sums, bias,
-                                            "none", 96, 32)
-                    if rows >= min_rows else weight_only.run(x, bias))
-        assert torch.equal(dynamic.run(x, bias), expected), rows
+    assert dynamic.weight is dynamic.dot and dynamic.quantized and weight_only.dot is None
+    assert torch.equal(dynamic.dot, pack_int8_dot(weight_only.weight, 32, 80)[0])  # the weight-only grid
+    assert dynamic.max_rows == math.inf
+    x = torch.randn(33, 80)
+    for rows in (0, 1, 2, 33):
+        expected = ops.linear_int8_dynamic(x[:rows], dynamic.dot, dynamic.scale, dynamic.offset, dynamic.dot_sums,
+                                           bias, "none", 96, 32)
+        assert torch.equal(dynamic.run(x[:rows], bias), expected), rows
+    together = dynamic.run(x, bias)
+    for row in range(x.shape[0]):
+        assert torch.equal(dynamic.run(x[row:row + 1], bias)[0], together[row]), row
     monkeypatch.setenv("LIGHTGEN_INT8_DOT_KERNEL", "portable")
     assert packed_weights(weight, f"{precision}-dynamic").dot is None
 

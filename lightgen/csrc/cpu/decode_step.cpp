@@ -35,10 +35,9 @@ enum LinearIndex : int64_t { kQ, kK, kV, kOut, kCrossQ, kCrossOut, kFfnIn, kFfnU
 constexpr int64_t kTensorsPerLinear = 6;
 constexpr int64_t kTensorsPerLayer = kNorms + kTensorsPerLinear * kLinears;
 // The sliding window, the layer's rotary table (an index into 'cos' / 'sin'; -1: none), then each linear's
-// out_features, group_size and the rows from which its int8-activation kernel runs (LinearWeights.dot_min_rows of
-// lightgen/modules/linear.py).
+// out_features and group_size.
 enum LayerInt : int64_t { kWindow, kRotary, kLinearInts };
-constexpr int64_t kIntsPerLinear = 3;
+constexpr int64_t kIntsPerLinear = 2;
 constexpr int64_t kIntsPerLayer = kLinearInts + kIntsPerLinear * kLinears;
 
 // The layers' tensors (kTensorsPerLayer a layer) and ints (kIntsPerLayer), made once per request from
@@ -61,33 +60,29 @@ struct LayerWeights : torch::CustomClassHolder {
 
 struct Linear {
   c10::optional<Tensor> weight, scale, offset, bias, dot, dot_sums;
-  int64_t out_features = 0, group_size = 0, dot_min_rows = 0;
+  int64_t out_features = 0, group_size = 0;
 
   // LinearWeights.run of lightgen/modules/linear.py.
   Tensor operator()(const Tensor& x, c10::string_view act = "none") const {
-    if (dynamic(x))
+    if (dot.has_value())
       return linear_int8_dynamic(x, *dot, *scale, offset, dot_sums, bias, act, out_features, group_size);
     if (group_size > 0) return linear_grouped(x, *weight, *scale, offset, bias, act, out_features, group_size);
     return linear(x, *weight, c10::nullopt, bias, act, out_features);
   }
 
-  bool dynamic(const Tensor& x) const { return dot.has_value() && x.numel() >= dot_min_rows * x.size(-1); }
-  bool in_panels(const Tensor& x) const { return weight->dim() == 3 || dynamic(x); }
+  bool in_panels() const { return weight->dim() == 3 || dot.has_value(); }
 };
 
 // Layers of one input, e.g. q, k and v: in one parallel loop where every weight is in panels (the same outputs).
 std::vector<Tensor> run_all(const std::vector<Linear>& layers, const Tensor& x) {
-  if (!std::all_of(layers.begin(), layers.end(), [&](const Linear& l) { return l.in_panels(x); })) {
+  if (!std::all_of(layers.begin(), layers.end(), [](const Linear& l) { return l.in_panels(); })) {
     std::vector<Tensor> outputs;
     for (const Linear& l : layers) outputs.push_back(l(x));
     return outputs;
   }
   std::vector<PanelLinear> panels;
-  for (const Linear& l : layers) {
-    const bool dynamic = l.dynamic(x);
-    panels.push_back({*l.weight, l.scale, l.offset, l.bias, dynamic ? l.dot : c10::nullopt,
-                      dynamic ? l.dot_sums : c10::nullopt, l.out_features, l.group_size});
-  }
+  for (const Linear& l : layers)
+    panels.push_back({*l.weight, l.scale, l.offset, l.bias, l.dot, l.dot_sums, l.out_features, l.group_size});
   return linear_panels(x, panels);
 }
 
@@ -231,8 +226,7 @@ Tensor decode_layers(const Tensor& hidden_in, const c10::intrusive_ptr<LayerWeig
     const int64_t slot = kNorms + kTensorsPerLinear * index;
     const int64_t ints = layer * kIntsPerLayer + kLinearInts + kIntsPerLinear * index;
     Linear l{tensor(layer, slot),     tensor(layer, slot + 1), tensor(layer, slot + 2), tensor(layer, slot + 3),
-             tensor(layer, slot + 4), tensor(layer, slot + 5), layer_ints[ints],        layer_ints[ints + 1],
-             layer_ints[ints + 2]};
+             tensor(layer, slot + 4), tensor(layer, slot + 5), layer_ints[ints],        layer_ints[ints + 1]};
     TORCH_CHECK(l.weight.has_value() && (l.group_size == 0 || l.scale.has_value()), kOp, ": layer ", layer,
                 " linear ", index, " needs its weight (and, group-wise quantized, its scale)");
     return l;
