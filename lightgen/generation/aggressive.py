@@ -14,6 +14,7 @@ own lengths; finished rows leave the batch (and the drafter's batch).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -218,12 +219,16 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
     eos = np.array(sorted(eos_ids), dtype=np.int64)
     policy = DraftPolicy(rows, pass_cost if pass_cost is not None else default_cost(decoder, drafter),
                          default_history(decoder, drafter))
+    # A pass verifies rows x (1 + draft) positions on the kernels greedy's one-token steps run, never past them.
+    kernel_rows = getattr(decoder, "decoder", decoder).kernel_rows()
     history: list[tuple[np.ndarray, np.ndarray]] = []  # per pass: (rows in it, tokens each added)
 
     def next_pass():
         """The next pass's logits, argmax and drafts, as ``_draft_and_verify`` gives them, after the plain greedy
         steps that come first when the policy drafts nothing."""
         per_row = max_draft.per_row(live.shape[0]) if isinstance(max_draft, DraftBudget) else max_draft
+        if kernel_rows < math.inf:
+            per_row = max(0, min(per_row, int(kernel_rows) // live.shape[0] - 1))
         # The verifier's own token needs one more place after the draft.
         sizes = policy.plan(np.minimum(max_length - lengths[live] - 1, per_row))
         if not policy.drafting:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import typing
 from typing import Callable
 
@@ -23,7 +24,7 @@ from lightgen.modules import native_step, step_graph
 from lightgen.modules.attention import even_spread, with_even_keyless
 from lightgen.modules.block import BlockSpec, feed_forward, run_block
 from lightgen.modules.kv_cache import POOL, StaticKVCache
-from lightgen.modules.linear import apply_linear, kernel_weights
+from lightgen.modules.linear import apply_linear, current_weights, kernel_weights
 from lightgen.modules.norm import apply_norm
 from lightgen.modules.position_bias import RelativePositionBias
 
@@ -332,6 +333,19 @@ class Decoder:
         # Why the layers of a step cannot run as one native call (modules/native_step.py); None: they can.
         self.native_reason = native_step.unsupported(spec)
         self.native_steps = 0  # steps whose layers ran natively
+
+    def kernel_rows(self) -> float:
+        """The most positions a step may feed with every linear on the kernel a one-token step runs (inf: no row
+        limit). Past it ATen runs the fp32 ones, whose sums round otherwise: a draft verified there could part
+        from greedy's tokens at a near-tie."""
+        spec = self.spec
+        modules = [spec.lm_head, spec.project_in, spec.project_out]
+        for layer in spec.layers:
+            modules += [*layer.ffn_owner.modules()]
+            for attn in (layer.self_attn, layer.cross_attn):
+                modules += [attn.q, attn.k, attn.v, attn.out] if attn is not None else []
+        limits = [weights.max_rows for weights in map(current_weights, filter(None, modules)) if weights is not None]
+        return min(limits, default=math.inf)
 
     def start(self, rows: int, max_len: int, dtype: torch.dtype, device, *, prompt_mask=None, encoder_hidden=None,
               encoder_mask=None, expand: int = 1, spare_positions: int = 0) -> DecodeState:

@@ -455,6 +455,33 @@ def test_iad_with_good_and_bad_drafts_equals_greedy_in_fewer_passes(family, corr
         assert len(step_counter) < generated - 3, "exact drafts should need fewer decoder passes"
 
 
+@pytest.mark.parametrize(("family", "batch", "pack"), [("llama", 40, True), ("gpt2", 8, False), ("bart", 40, True)])
+def test_iad_verifies_within_the_rows_greedys_kernels_take(family, batch, pack, flat_pass_cost, monkeypatch):
+    """A pass verifies rows x (1 + draft) positions. Past the fp32 kernels' rows (PACKED_MAX_ROWS; IN_PLACE_MAX_ROWS
+    with pack=False) ATen would run it, whose sums round otherwise than greedy's one-token steps on the kernel, so
+    the drafts shrink to keep every pass within them (before: 40 x 7 = 280 > 256 positions)."""
+    from lightgen.modules.decoder import Decoder
+    from lightgen.modules.linear import IN_PLACE_MAX_ROWS, PACKED_MAX_ROWS
+
+    reference = build(family, seed=6)
+    reference.generation_config.forced_eos_token_id = None
+    accelerated = lightgen.accelerate_model(copy.deepcopy(reference), pack=pack)
+    ids, mask = padded_batch(family, batch, 9, seed=6)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, pad_token_id=1)
+    with torch.no_grad():
+        expected = reference.generate(**kwargs)
+    fed = []
+    original = Decoder._step
+    monkeypatch.setattr(Decoder, "_step", lambda self, state, tokens, *a, **k: (
+        fed.append((state.in_prompt, tokens.shape)) or original(self, state, tokens, *a, **k)))
+    got = accelerated.generate(**kwargs, decoding="iad", max_draft=6, draft_ids=[row.tolist() for row in expected])
+    assert torch.equal(got, expected)
+    limit = PACKED_MAX_ROWS if pack else IN_PLACE_MAX_ROWS
+    passes = [shape for in_prompt, shape in fed if not in_prompt]
+    assert max(rows * width for rows, width in passes) <= limit
+    assert max(width for _, width in passes) > 1  # drafts were verified
+
+
 @pytest.mark.parametrize("family", ["bart", "gpt2"])
 def test_iad_reports_passes_and_tokens_per_pass(family, step_counter):
     """return_dict_in_generate adds per-row pass counts and tokens per pass; sequences stay greedy's."""
