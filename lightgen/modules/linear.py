@@ -69,13 +69,13 @@ IN_PLACE_MAX_ROWS = 48
 # ACTIVATION_ROUNDING: int8-dynamic and int4-dynamic round activations at every row count, the weight-only panels
 # are not kept. Rounding from 2 rows on only (int8-dynamic until 2026-12-07: weight-only at 1 row, exactly "int8")
 # made a row's tokens depend on the rows beside it: batch-1 greedy steps ran weight-only where a batch's steps and
-# IAD's verification passes rounded, and IAD left greedy (tests/adapters/test_quantize.py). At 1 row the two
-# int8 kernels tie, streaming the same bytes (benchmarks/matmul.py --shapes smollm2, 211 matmuls, 1 thread,
-# AVX-512 VNNI Zen 4, other processes on 52-67% of the CPUs, ms a step int8 / int8 activations: 1 row 13.4 / 14.6
-# and 19.3 / 17.7; 2 rows 18.0 / 15.0 and 20.7 / 11.0, 8 rows 30.1 / 17.8, 64: 304 / 150); int4's fp32 dequantize
-# costs more than rounding x (--providers lightgen-int4 lightgen-int4-dynamic, 1 thread, commit e57d755, before
-# int4's group-sum kernel, quiet: others 0%, 23.9 GB/s; ms int4 / int4-dynamic: 1 row 9.06 / 6.09, 2: 11.1 / 6.70,
-# 8: 29.1 / 14.2, 32: 103 / 37.6).
+# IAD's verification passes rounded, and IAD left greedy (tests/adapters/test_quantize.py). The price is int8's one
+# row: there the dot layout (11% more bytes) streams slower than int8's panels. SmolLM2, 2 threads, AVX-512 VNNI
+# Zen 4, quiet: benchmarks/matmul.py --shapes smollm2 (211 matmuls), ms int8 / int8-dynamic at 1 row 5.99 / 7.17
+# (0.84x), 2 rows 6.59 / 6.18; the native step, both models interleaved in one process (15 rounds), 6.94 / 8.23 at
+# batch 1 and 16.19 / 12.19 at batch 8 (1.33x). So at batch 1 "int8" is the faster choice. int4's dot layout holds
+# int4's bytes, and its fp32 dequantize costs more than rounding x (--providers lightgen-int4 lightgen-int4-dynamic,
+# 1 thread, commit e57d755, quiet, 23.9 GB/s; ms int4 / int4-dynamic: 1 row 9.06 / 6.09, 8: 29.1 / 14.2).
 
 
 @dataclasses.dataclass(frozen=True)
