@@ -344,8 +344,8 @@ class Decoder:
             modules += [*layer.ffn_owner.modules()]
             for attn in (layer.self_attn, layer.cross_attn):
                 modules += [attn.q, attn.k, attn.v, attn.out] if attn is not None else []
-        limits = [weights.max_rows for weights in map(current_weights, filter(None, modules)) if weights is not None]
-        return min(limits, default=math.inf)
+        weights = [current_weights(module) for module in modules if module is not None]
+        return min((found.max_rows for found in weights if found is not None), default=math.inf)
 
     def start(self, rows: int, max_len: int, dtype: torch.dtype, device, *, prompt_mask=None, encoder_hidden=None,
               encoder_mask=None, expand: int = 1, spare_positions: int = 0) -> DecodeState:
