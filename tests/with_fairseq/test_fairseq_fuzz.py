@@ -52,6 +52,9 @@ REGRESSIONS: dict[int, str] = {
                    "check)",
     98758839705043: "IAD, min_len past max_len: lightgen raised ValueError where fairseq asserts (AssertionError); "
                     "22 of 529 IAD cases",
+    81915338300759: "diverse beams, d=4: a group cut at a tie with a candidate its step never returns, and the other "
+                    "groups' penalties follow it (the check)",
+    81915338301098: "diverse beams, d=4: the same, one 11 among repeated 6s at another place (the check)",
 }
 
 
@@ -137,7 +140,7 @@ def run_case(seed: int) -> str:
         torch.manual_seed(seed)
         generator = fm.generator([model], vocab, search_strategy=strategy or search.BeamSearch(vocab), **settings)
         if recorded is not None:
-            generator.search.step = _recording(generator.search.step, recorded, vocab.eos())
+            _record(generator.search, recorded, vocab.eos())
         if block_size and model is accelerated:
             generator = AggressiveGenerator(generator, block_size=block_size, drafter=drafter)
         with warnings.catch_warnings(), torch.no_grad():
@@ -157,7 +160,7 @@ def run_case(seed: int) -> str:
             return description + f" (both raise {type(outputs[0]).__name__})"
         diverse = isinstance(strategy, search.DiverseBeamSearch)
         cut_ties = functools.cache(lambda: _cut_ties(*(_steps(decode, model) for model in (reference, accelerated)),
-                                                     settings["beam_size"]))
+                                                     _kept_at_a_cut(strategy, settings["beam_size"])))
         try:
             _assert_alike(*outputs, SCORE_TOL["atol"], cut_ties)
         except AssertionError:
@@ -216,22 +219,51 @@ def _rounding(reference, sample, hypotheses, settings: dict, diverse: bool) -> f
     return error
 
 
-def _recording(step, recorded: dict, eos: int):
-    """fairseq's ``search.step``, keeping per sentence each step's candidates: (their scores as the search ranks them
-    [2 x beams], which of them end in EOS)."""
+def _record(searcher, recorded: dict, eos: int) -> None:
+    """Patch ``searcher`` (fairseq's search strategy) to keep, per sentence, each cut's candidates: (their scores as
+    the search ranks them, which of them end in EOS). BeamSearch's step returns 2 x beams candidates, the cut among
+    them. DiverseBeamSearch's groups each keep their best k (``_kept_at_a_cut``) and return only those, so a tie at a
+    group's cut is with a candidate it never returns: each group's k + 1 best are taken from the sums its BeamSearch
+    step ranks (one entry per group and step)."""
+    if not isinstance(searcher, search.DiverseBeamSearch):
+        step = searcher.step
 
-    def recorded_step(*args, **kwargs):
-        scores, indices, beams = step(*args, **kwargs)
-        sentences = args[4] if len(args) > 4 else kwargs["original_batch_idxs"]
-        for row, sentence in enumerate(sentences.tolist()):
-            recorded.setdefault(sentence, []).append((scores[row].clone(), indices[row] == eos))
-        return scores, indices, beams
+        def recorded_step(*args, **kwargs):
+            scores, indices, beams = step(*args, **kwargs)
+            sentences = args[4] if len(args) > 4 else kwargs["original_batch_idxs"]
+            for row, sentence in enumerate(sentences.tolist()):
+                recorded.setdefault(sentence, []).append((scores[row].clone(), indices[row] == eos))
+            return scores, indices, beams
 
-    return recorded_step
+        searcher.step = recorded_step
+        return
+    diverse_step, group_step, calls = searcher.step, searcher.beam.step, []
+
+    def recorded_diverse_step(*args, **kwargs):
+        calls.append((args[4] if len(args) > 4 else kwargs["original_batch_idxs"]).tolist())
+        return diverse_step(*args, **kwargs)
+
+    def recorded_group_step(step, lprobs, scores, *args, candidate_multiple=2, **kwargs):
+        rows, beams, vocab = lprobs.shape
+        sums = lprobs[:, ::beams] if step == 0 else lprobs + scores[:, :, step - 1].unsqueeze(-1)
+        best = sums.reshape(rows, -1).topk(min(candidate_multiple * beams + 1, sums[0].numel()))
+        for row, sentence in enumerate(calls[-1]):
+            recorded.setdefault(sentence, []).append((best.values[row].clone(), best.indices[row] % vocab == eos))
+        return group_step(step, lprobs, scores, *args, candidate_multiple=candidate_multiple, **kwargs)
+
+    searcher.step, searcher.beam.step = recorded_diverse_step, recorded_group_step
+
+
+def _kept_at_a_cut(strategy, beam_size: int) -> int:
+    """How many candidates a cut keeps: beam_size (beam search), or a diverse beam search group's beams times its
+    candidate multiple."""
+    if isinstance(strategy, search.DiverseBeamSearch):
+        return beam_size // strategy.num_groups * strategy.candidate_multiple
+    return beam_size
 
 
 def _steps(decode, model) -> dict:
-    """Per sentence, the candidates of every step of a rerun of the case on ``model`` (``_recording``)."""
+    """Per sentence, the candidates of every cut of a rerun of the case on ``model`` (``_record``)."""
     recorded = {}
     decode(model, recorded)
     return recorded
@@ -275,6 +307,31 @@ def test_only_a_cut_tie_in_both_runs_excuses_a_sentence():
     assert _cut_ties({0: apart + tied}, {0: [(apart[0][0] - 0.5, ends)] + tied}, beams=2) == set()  # parted before
     ended = [(torch.tensor([-1.0, -2.0, -3.0, -3.0 - 1e-6]), torch.tensor([False, True, False, False]))]
     assert _cut_ties({0: ended}, {0: ended}, beams=2) == {0}  # the running beams' cut, past a finished candidate
+
+
+def test_diverse_beams_record_each_groups_cut_with_the_candidate_past_it():
+    """A diverse beam search group returns only the k candidates it keeps; its cut's record holds k + 1 (the next one
+    too), ranked, one record per group and step, and the search's results are the unrecorded run's."""
+    vocab = fm.dictionary()
+    model, sample = fm.build(3), fm.source_batch(vocab, 3, 6, 3)
+
+    def decode(recorded=None):
+        generator = fm.generator([model], vocab, beam_size=4, max_len_b=6,
+                                 search_strategy=search.DiverseBeamSearch(vocab, 2, 0.5))
+        if recorded is not None:
+            _record(generator.search, recorded, vocab.eos())
+        with torch.no_grad():
+            return generator.generate([model], sample)
+
+    recorded = {}
+    got, expected = decode(recorded), decode()
+    assert [[h["tokens"].tolist() for h in sentence] for sentence in got] == \
+        [[h["tokens"].tolist() for h in sentence] for sentence in expected]
+    assert _kept_at_a_cut(search.DiverseBeamSearch(vocab, 2, 0.5), 4) == 2
+    assert sorted(recorded) == [0, 1, 2]
+    for cuts in recorded.values():
+        assert len(cuts) % 2 == 0 and all(scores.numel() == 3 and ends.shape == scores.shape for scores, ends in cuts)
+        assert all(bool((scores[:-1] >= scores[1:]).all()) for scores, _ in cuts)
 
 
 def test_fairseq_fuzz_draws_what_it_names():
