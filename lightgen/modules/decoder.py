@@ -96,6 +96,15 @@ class DecoderLayerWeights:
     ffn_out_norm: nn.Module | None = None
     rotary: Callable | None = None  # this layer's (x, position_ids) -> (cos, sin), when not the spec's (Gemma 3)
 
+    def step_linears(self, block: BlockSpec) -> tuple:
+        """The linears a decoder step runs, in the native step's slot order (None: absent): q, k, v, out (k and v
+        None where q is a fused q|k|v), cross-attention q and out (its k and v run once, at ``Decoder.start``), the
+        FFN's input (a second one: separate gate and up) and output."""
+        attn, cross = self.self_attn, self.cross_attn
+        ffn = [getattr(self.ffn_owner, name) for name in block.ffn_in]  # one: a fused gate|up projection
+        return (attn.q, attn.k, attn.v, attn.out, getattr(cross, "q", None), getattr(cross, "out", None),
+                ffn[0], ffn[1] if len(ffn) == 2 else None, getattr(self.ffn_owner, block.ffn_out))
+
 
 @dataclasses.dataclass(frozen=True)
 class DecoderSpec:
@@ -339,11 +348,8 @@ class Decoder:
         limit). Past it ATen runs the fp32 ones, whose sums round otherwise: a draft verified there could part
         from greedy's tokens at a near-tie."""
         spec = self.spec
-        modules = [spec.lm_head, spec.project_in, spec.project_out]
-        for layer in spec.layers:
-            modules += [*layer.ffn_owner.modules()]
-            for attn in (layer.self_attn, layer.cross_attn):
-                modules += [attn.q, attn.k, attn.v, attn.out] if attn is not None else []
+        modules = [spec.lm_head, spec.project_in, spec.project_out,
+                   *(linear for layer in spec.layers for linear in layer.step_linears(spec.block))]
         weights = [current_weights(module) for module in modules if module is not None]
         return min((found.max_rows for found in weights if found is not None), default=math.inf)
 

@@ -139,17 +139,14 @@ def plan(spec) -> Plan | None:
     block = spec.block
     rotaries, rotary_index = _rotaries(spec)
     for layer, rotary in zip(spec.layers, rotary_index, strict=True):
-        attn, cross = layer.self_attn, layer.cross_attn
+        attn = layer.self_attn
         for norm in (layer.self_norm, layer.cross_norm, layer.ffn_norm):
             tensors += [getattr(norm, "weight", None), getattr(norm, "bias", None)]
         tensors += [getattr(attn.q_norm, "weight", None), getattr(attn.k_norm, "weight", None)]
         for norm in (layer.self_out_norm, layer.ffn_out_norm):
             tensors += [getattr(norm, "weight", None), getattr(norm, "bias", None)]
         ints += [attn.window, rotary]
-        ffn = [getattr(layer.ffn_owner, name) for name in block.ffn_in]  # one: a fused gate|up projection
-        linears = (attn.q, attn.k, attn.v, attn.out, getattr(cross, "q", None), getattr(cross, "out", None),
-                   ffn[0], ffn[1] if len(ffn) == 2 else None, getattr(layer.ffn_owner, block.ffn_out))
-        for module in linears:
+        for module in layer.step_linears(block):
             if module is None:
                 tensors += [None] * 6
                 ints += [0, 0]
