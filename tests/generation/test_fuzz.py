@@ -835,8 +835,9 @@ def _hf_rounding(model, kwargs, sequences) -> float:
     """HF's own fp32 error on this case, at every position it generated from, teacher-forced on its own
     ``sequences`` (the prompt's last position alone misses a step whose context is ill-conditioned): the larger of
     the unpatched model's next-token logits' largest difference (finite ones) between fp32 and fp64, and between
-    fp32 and fp32 with every weight moved by half an ulp, one rounding's worth (an ill-conditioned model's fp32 and
-    fp64 logits can agree by chance while a different rounding, lightgen's, moves them 10x further)."""
+    fp32 and fp32 with every weight multiplied by 1 ± 2^-24, one rounding's worth (an ill-conditioned model's fp32 and
+    fp64 logits can agree by chance while a different rounding, lightgen's, moves them 10x further). In fp32,
+    1 + 2^-24 rounds to 1: about half the weights move an ulp toward zero and the rest stay."""
     prompt, mask = kwargs["input_ids"], kwargs.get("attention_mask")
     if mask is None:
         mask = torch.ones_like(prompt)
