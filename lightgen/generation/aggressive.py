@@ -127,13 +127,21 @@ class CopyFromInput:
         width = int(sizes.max()) if sizes.size else 0
         if width == 0:
             return np.empty((len(tails), 0), dtype=np.int64)
-        starts = [_anchor(tail, self._indexes[row]) for row, tail in zip(rows.tolist(), tails, strict=True)]
         missing = self._table.shape[1] - 1  # a column of -1 in every row
-        begin = np.array([missing if start is None else start for start in starts], dtype=np.int64)
+        begin = np.array([missing if start is None else start for start in self._starts(rows, tails)], dtype=np.int64)
         places = np.minimum(begin[:, None] + np.arange(width), missing)
         drafts = self._table[rows[:, None], places]
         drafts[np.arange(width) >= sizes[:, None]] = -1
         return drafts
+
+    def anchored(self, rows: np.ndarray, tails: list[list[int]]) -> np.ndarray:
+        """[N] bool: whether each row has an anchor to copy from (a draft, where its source goes on after it): an
+        index lookup, so the draft policy knows it before deciding to draft."""
+        starts = [-1 if start is None else start for start in self._starts(rows, tails)]
+        return self._table[rows, starts] >= 0  # column -1: the padding after the longest source
+
+    def _starts(self, rows: np.ndarray, tails: list[list[int]]) -> list[int | None]:
+        return [_anchor(tail, self._indexes[row]) for row, tail in zip(rows.tolist(), tails, strict=True)]
 
     def close(self) -> None:
         pass
@@ -230,9 +238,11 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
         if kernel_rows < math.inf:
             per_row = max(0, min(per_row, int(kernel_rows) // live.shape[0] - 1))
         # The verifier's own token needs one more place after the draft.
-        sizes = policy.plan(np.minimum(max_length - lengths[live] - 1, per_row))
+        sizes = policy.plan(np.minimum(max_length - lengths[live] - 1, per_row),
+                            found=_anchored(drafter, live, sequences, lengths[live]))
         if not policy.drafting:
-            return _greedy_steps(decoder, state, policy, sequences, lengths, live, eos, max_length, history, streamer)
+            return _greedy_steps(decoder, state, policy, sequences, lengths, live, eos, max_length, history, streamer,
+                                 drafter)
         return _draft_and_verify(decoder, state, drafter, policy, sizes, sequences, lengths, live, pad_token_id,
                                  acceptance)
 
@@ -299,12 +309,14 @@ def _fixed_drafts() -> bool:
     return os.environ.get("LIGHTGEN_FIXED_DRAFTS", "0") not in ("", "0")
 
 
-def _greedy_steps(decoder, state, policy: DraftPolicy, sequences, lengths, live, eos, max_length, history, streamer):
+def _greedy_steps(decoder, state, policy: DraftPolicy, sequences, lengths, live, eos, max_length, history, streamer,
+                  drafter):
     """Up to ``policy.greedy_steps()`` plain greedy steps, one token a row each, without a drafting pass's
     bookkeeping (demo model, batch 1: ~0.2 instead of ~1.2 ms a step around the decoder), so that where drafts do
     not pay the loop costs what greedy decoding does. Tokens go to ``sequences`` at the end; the step where a row
     ends (EOS, or max_length with its forced EOS), or the last, is handed back as the next pass: (its logits
-    [rows, 1, V], argmax [rows, 1], no drafts) for the main loop's bookkeeping."""
+    [rows, 1, V], argmax [rows, 1], no drafts) for the main loop's bookkeeping. So is the step after which a row
+    that waited for a draft has one (``policy.waiting``: a copy drafter's anchor, looked up after each step)."""
     row_lengths = lengths[live]
     # Steps before the longest row's next token would reach max_length: the main loop takes that one.
     steps = max(1, min(policy.greedy_steps(), max_length - int(row_lengths.max())))
@@ -321,6 +333,13 @@ def _greedy_steps(decoder, state, policy: DraftPolicy, sequences, lengths, live,
         policy.timed(last.shape[0], started, time.perf_counter())
         if ended or step == steps - 1:
             break
+        if policy.waiting is not None:
+            waiting = np.flatnonzero(policy.waiting)
+            # Only the waiting rows' tokens so far are looked up; the main loop writes them all.
+            sequences[live[waiting], row_lengths[waiting] + step] = best.cpu().numpy()[waiting]
+            if _anchored(drafter, live[waiting], sequences, row_lengths[waiting] + step + 1).any():
+                policy.wake()
+                break
         tokens.append(best)
         last = best
         history.append((live, one_each))
@@ -377,16 +396,24 @@ def _within_vocabulary(drafts: np.ndarray, vocab: int) -> np.ndarray:
     return np.where(np.logical_or.accumulate(outside, axis=-1), -1, drafts) if outside.any() else drafts
 
 
+def _anchored(drafter, live: np.ndarray, sequences: np.ndarray, row_lengths: np.ndarray) -> np.ndarray | None:
+    """[rows] bool: which rows a copy drafter has a draft for now (None: the drafter cannot tell without drafting)."""
+    return drafter.anchored(live, _tails(sequences, live, row_lengths)) if isinstance(drafter, CopyFromInput) else None
+
+
+def _tails(sequences: np.ndarray, live: np.ndarray, row_lengths: np.ndarray) -> list[list[int]]:
+    """Each row's last tokens, as many as the longest suffix an anchor is looked up by: only they leave the arrays."""
+    ends = row_lengths[:, None] - np.arange(min(SUFFIX_LENGTHS[-1], sequences.shape[1]), 0, -1)
+    tails = sequences[live[:, None], ends.clip(min=0)].tolist()
+    return [tail[max(0, len(tail) - length):] for tail, length in zip(tails, row_lengths.tolist(), strict=True)]
+
+
 def _draft(drafter, live: np.ndarray, sequences: np.ndarray, row_lengths: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """[rows, max(sizes)] draft tokens, -1 after each row's draft."""
     if not (sizes > 0).any():
         return np.empty((sizes.shape[0], 0), dtype=np.int64)
     if isinstance(drafter, CopyFromInput):
-        # Only the suffixes that anchors are looked up by leave the arrays.
-        ends = row_lengths[:, None] - np.arange(min(SUFFIX_LENGTHS[-1], sequences.shape[1]), 0, -1)
-        tails = sequences[live[:, None], ends.clip(min=0)].tolist()
-        tails = [tail[max(0, len(tail) - length):] for tail, length in zip(tails, row_lengths.tolist(), strict=True)]
-        return drafter.draft_array(live, tails, sizes)
+        return drafter.draft_array(live, _tails(sequences, live, row_lengths), sizes)
     outputs = [row[:length] for row, length in zip(sequences[live].tolist(), row_lengths.tolist(), strict=True)]
     limits = sizes.tolist()
     drafts = drafter.draft(live.tolist(), outputs, limits)

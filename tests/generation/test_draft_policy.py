@@ -1,6 +1,7 @@
 """Adaptive draft lengths (draft_policy.py): wrong drafts fall back to greedy passes, good drafts keep
 drafting, and the tokens stay greedy's; the vectorised IAD drafter matches its list form."""
 
+import copy
 import itertools
 import random
 
@@ -9,6 +10,9 @@ import numpy as np
 import pytest
 import torch
 from models import SEQ2SEQ
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import lightgen
 
 from lightgen.generation import aggressive
 from lightgen.generation.aggressive import CopyFromInput, find_anchor
@@ -303,7 +307,70 @@ def test_asks_that_find_no_draft_lower_the_rate_not_the_acceptance():
     assert policy.plan(torch.tensor([8])).tolist() == [8]
 
 
+def test_a_drafter_that_tells_which_rows_it_has_drafts_for_replaces_the_estimate_and_ends_greedy_steps():
+    """A copy drafter looks its anchors up before the plan: a row with a draft drafts whatever earlier asks missed, a
+    row without one takes greedy steps, which end as soon as a row whose draft would pay finds one."""
+    history = AcceptanceHistory()
+    policy = DraftPolicy(2, FixedPassCost(drafting=0.7), history)
+    policy.found, policy.missed = np.zeros(2), np.full(2, 6.0)  # the estimate: asks keep missing
+    assert policy.plan(torch.tensor([8, 8])).tolist() == [0, 0] and policy.waiting is None
+    assert policy.plan(torch.tensor([8, 8]), found=np.array([True, False])).tolist() == [7, 7] and policy.drafting
+    assert policy.plan(torch.tensor([8, 8]), found=np.array([False, False])).tolist() == [0, 0]
+    assert policy.waiting.tolist() == [True, True] and policy.greedy_steps() > 1
+    assert policy.plan(torch.tensor([8, 8]), found=np.array([True, False])).tolist() == [0, 0]  # steps still due
+    policy.keep([1])
+    assert policy.waiting.tolist() == [True]
+    policy.wake()
+    assert policy.waiting is None and policy.plan(torch.tensor([8]), found=np.array([True])).tolist() == [7]
+    # Drafts rarely accepted (chat): found or not, no draft pays, so greedy steps wait for none.
+    chat = DraftPolicy(1, FixedPassCost(drafting=0.7), history)
+    chat.rejected = np.array([30.0])
+    assert chat.plan(torch.tensor([8]), found=np.array([False])).tolist() == [0] and chat.waiting is None
+    assert chat.plan(torch.tensor([8]), found=np.array([True])).tolist() == [0]
+
+
+def _successor_model(vocab: int = 64) -> GPT2LMHeadModel:
+    """A GPT-2 whose greedy output counts up from the prompt's last token (t -> t + 1 mod vocab): embeddings one-hot,
+    blocks that add nothing, an LM head of the embeddings shifted by one."""
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=vocab, n_layer=1, n_head=2, n_positions=128,
+                                       tie_word_embeddings=False, eos_token_id=vocab - 1, bos_token_id=0)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+        model.transformer.wte.weight.copy_(torch.eye(vocab))
+        model.transformer.ln_f.weight.fill_(1.0)
+        model.lm_head.weight.copy_(torch.eye(vocab).roll(1, 0))
+        for block in model.transformer.h:
+            block.ln_1.weight.fill_(1.0)
+            block.ln_2.weight.fill_(1.0)
+    return model
+
+
+def test_iad_drafts_again_right_after_a_miss_once_the_input_has_an_anchor(monkeypatch):
+    """IAD whose source is greedy's output with one token changed: the draft is rejected there, the next lookup finds
+    no anchor (the verifier's token is not in the source), so a greedy step follows, not a drafting iteration that asks
+    and finds nothing (before: [1, 6, 1, 12, 4] with 4 asks), and right after it, back on the source, drafts again."""
+    _with_cost(monkeypatch, FixedPassCost(1.0, 0.01, drafting=0.6))
+    asks = []
+    draft_array = CopyFromInput.draft_array
+    monkeypatch.setattr(CopyFromInput, "draft_array", lambda self, *a: asks.append(1) or draft_array(self, *a))
+    reference = _successor_model()
+    accelerated = lightgen.accelerate_model(copy.deepcopy(reference))
+    kwargs = dict(input_ids=torch.tensor([[5, 9, 3]]), max_new_tokens=24, do_sample=False)
+    expected = reference.generate(**kwargs)
+    output = expected[0, 3:].tolist()
+    assert output == list(range(4, 28))
+    changed = 6
+    source = output[:changed] + [60] + output[changed + 1:]
+    out = accelerated.generate(**kwargs, decoding="iad", draft_ids=[source], return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    # The prompt pass; the first draft, kept up to the change; a greedy step (no anchor, not asked); drafts again.
+    passes = out.tokens_per_iteration[0].tolist()
+    assert passes[:3] == [1, changed, 1] and passes[3] > 1 and len(asks) == len(passes) - 2, (passes, len(asks))
+
+
 def test_new_rows_start_from_what_earlier_calls_accepted():
+
     history = AcceptanceHistory()
     assert history.prior() == (2.0, 1.0)  # nothing seen: p = 2/3, first drafts of 7 tokens
     assert DraftPolicy(1, FixedPassCost(), history).plan(torch.tensor([16])).tolist() == [7]
@@ -460,6 +527,8 @@ def test_indexed_anchors_and_tensor_drafts_match_scanning():
         assert array.shape == (len(rows), max(sizes))
         assert [[t for t in row if t >= 0] for row in array.tolist()] == lists
         assert all(set(row[len(draft):]) <= {-1} for row, draft in zip(array.tolist(), lists))
+        found = drafter.draft(rows, outputs, [1] * len(rows))
+        assert drafter.anchored(np.array(rows), [output[-3:] for output in outputs]).tolist() == list(map(bool, found))
 
 
 def test_a_drafter_that_steps_once_a_token_is_priced_per_token():
