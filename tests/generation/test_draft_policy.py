@@ -9,7 +9,7 @@ import numpy as np
 
 import pytest
 import torch
-from models import SEQ2SEQ
+from models import SEQ2SEQ, VOCAB
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import lightgen
@@ -367,6 +367,36 @@ def test_iad_drafts_again_right_after_a_miss_once_the_input_has_an_anchor(monkey
     # The prompt pass; the first draft, kept up to the change; a greedy step (no anchor, not asked); drafts again.
     passes = out.tokens_per_iteration[0].tolist()
     assert passes[:3] == [1, changed, 1] and passes[3] > 1 and len(asks) == len(passes) - 2, (passes, len(asks))
+
+
+def _edited(tokens: list[int], rng: random.Random) -> list[int]:
+    """``tokens`` with a few replacements, insertions and deletions: an input whose copy breaks off and resumes."""
+    edited = list(tokens)
+    for _ in range(rng.randint(1, 4)):
+        at = rng.randrange(len(edited) + 1)
+        kind = rng.choice(["replace", "insert", "delete"])
+        if kind != "insert" and at < len(edited):
+            del edited[at]
+        if kind != "delete":
+            edited.insert(at, rng.randrange(3, VOCAB))
+    return edited
+
+
+@pytest.mark.parametrize("family", ["bart", "marian", "gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("cost", ["measured", "dear drafting", "compute-bound"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_iad_from_edited_outputs_equals_greedy(family, cost, seed, monkeypatch):
+    """IAD with sources that are greedy's outputs edited, so that each row's anchors are lost and found again (greedy
+    steps that end when a row finds one, rows finishing between them), under costs that favour either: greedy's
+    tokens, also on a second call that starts from the first one's history."""
+    if cost != "measured":
+        _with_cost(monkeypatch, DEAR_DRAFTING if cost == "dear drafting" else COMPUTE_BOUND)
+    accelerated, reference, expected, kwargs = _greedy(family, 10 + seed, batch=4, new_tokens=20)
+    start = kwargs["input_ids"].shape[1] if family not in SEQ2SEQ else 1
+    rng = random.Random(seed)
+    sources = [_edited(row[start:].tolist(), rng) for row in expected]
+    for _ in range(2):
+        assert torch.equal(accelerated.generate(**kwargs, decoding="iad", draft_ids=sources), expected)
 
 
 def test_new_rows_start_from_what_earlier_calls_accepted():
