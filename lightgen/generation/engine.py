@@ -314,6 +314,16 @@ def _round_as_eager(state, model, cache, past: int, new: int) -> None:
         state.eager_softmax_in_dtype = lg_attention.softmax_in_dtype(model)
 
 
+def _keeps_logits(model) -> bool:
+    """Whether HF's generate has ``model``'s forward compute the last position's logits alone (``logits_to_keep``)."""
+    return _forward_takes(type(model).forward, "logits_to_keep")
+
+
+@functools.cache
+def _forward_takes(forward, name: str) -> bool:
+    return name in inspect.signature(forward).parameters
+
+
 def _layout_cache(model, generation_config, model_kwargs, cache):
     """The cache whose layers say which keys HF's attention gets: ``cache`` (the one the call returns or extends) or,
     for a ``cache_implementation``, the one HF prepares for the call (its layers allocate nothing before their first
@@ -518,6 +528,7 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
                                   bool(generation_config.output_hidden_states), windows or ())
     _round_as_eager(state, model, layout, past, prompt_len - cached)
     state.static_slots = static_slots
+    state.prompt_head_everywhere = not _keeps_logits(model)
     try:
         if cache is not None:
             hf_cache.load(state, cache)
@@ -588,6 +599,7 @@ def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_proce
     try:
         _round_as_eager(state, model, layout, 0, input_ids.shape[1])
         state.static_slots = static_slots
+        state.prompt_head_everywhere = not _keeps_logits(model)
         if aggressive.drafter is None:
             drafts = CopyFromInput(sources)
         else:

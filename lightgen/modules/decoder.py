@@ -224,6 +224,9 @@ class DecodeState:
         # Per layer, the slots of HF's static cache layer (0: dynamic), all of which fp16 / bf16 attention gets.
         self.static_slots: tuple[int, ...] | None = None
         self.in_prompt = False  # during ``prefill``: HF runs it as one pass; every later pass stands for HF's steps
+        # HF's forward has no ``logits_to_keep`` (the BART family, M2M100, T5): its prompt pass runs the LM head over
+        # every position, and fp16 / bf16 matmuls round a row otherwise at other row counts (``_step``).
+        self.prompt_head_everywhere = False
         self.native_plan = None  # the decoder's native_step.Plan for this request, once a step asked for it
         self.step_graph: step_graph.StepGraph | None = None  # on a GPU, once a one-token step ran
 
@@ -488,14 +491,20 @@ class Decoder:
         cache.length += length
         state.lengths += length
         state.next_position.copy_(positions[:, -1] + 1)
-        last = hidden[scored] if scored is not None else hidden if all_positions else hidden[:, -1]
+        # A multi-token prompt pass in fp16 / bf16 runs the head over every position where HF's does, and keeps the
+        # last: ATen's half matmul rounds a row otherwise at another row count (a bf16 Pegasus decoder prompt of 3
+        # tokens: 2 of 97 logits an ulp apart). fp32 rows run lightgen's kernels, whose rows do not depend on others.
+        every = (not all_positions and scored is None and state.in_prompt and state.prompt_head_everywhere
+                 and length > 1 and hidden.dtype != torch.float32)
+        last = hidden[scored] if scored is not None else hidden if all_positions or every else hidden[:, -1]
         if spec.final_norm is not None:
             last = apply_norm(spec.final_norm, last)
         if spec.project_out is not None:
             last = apply_linear(spec.project_out, last)
         if spec.lm_head_input_scale != 1.0:
             last = last * spec.lm_head_input_scale
-        return self._vocabulary_logits(last).float()
+        logits = self._vocabulary_logits(last)
+        return (logits[:, -1] if every else logits).float()
 
     def _layers(self, state: DecodeState, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Every decoder layer on ``hidden`` [N, T, E], the step's K/V written into the cache: one native call

@@ -974,8 +974,10 @@ def test_fuzz_half_precision(variant):
 
 
 # Found by its first run (2 of 5670 cases): an OPT bf16 and a Gemma 3 fp16 prompt with prefill_chunk_size, HF's
-# chunks rounding otherwise than one prefill pass (lightgen now runs HF's loop there in fp16 / bf16).
-@pytest.mark.parametrize("seed", [800101154, 800101405])
+# chunks rounding otherwise than one prefill pass (lightgen now runs HF's loop there in fp16 / bf16). And (1 of 4174)
+# a Pegasus bf16 decoder prompt of 3 tokens (decoder_input_ids): HF's forward has no logits_to_keep, so its LM head
+# ran over the 3 positions, where ATen's matmul rounds the last row otherwise than alone (2 of 97 logits an ulp off).
+@pytest.mark.parametrize("seed", [800101154, 800101405, 712080200445])
 def test_fuzz_half_precision_generate_arguments_regressions(seed):
     run_half_case(seed, arguments=True)
 
