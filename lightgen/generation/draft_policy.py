@@ -258,7 +258,6 @@ class DraftPolicy:
         self._sizes = np.zeros(rows, dtype=np.int64)  # the worthwhile draft lengths of the last plan
         self._asked = np.zeros(rows, dtype=np.int64)  # the draft lengths the last plan asked for
         self._found = np.zeros(rows, dtype=bool)  # the rows whose asks found a draft (set by ``width``)
-        self._found_now: np.ndarray | None = None  # the rows the drafter has a draft for, where it can tell (``plan``)
         self._wakers: np.ndarray | None = None  # during greedy steps, the rows whose finding a draft ends them
         self._last_end: float | None = None  # when the last timed pass ended
         self._drafting_seconds = 0.0  # the last draft's time where it is priced per token (``drafted``)
@@ -289,18 +288,17 @@ class DraftPolicy:
         followed by a miss or two, then copying again, and without this its IAD ran the rest of a sentence in greedy
         steps after one (3.36 instead of 2.4 passes a sentence, warm)."""
         self._probing = False
-        if found is not None:
-            self._found_now = np.asarray(found, dtype=bool)
         if self._greedy_left > 0:
             self._planned = 0
             return np.zeros(len(limits), dtype=np.int64)
         worthwhile = np.floor(math.log(WORTHWHILE) / np.log(self.acceptance())).clip(min=0)  # p^i >= WORTHWHILE
         self._sizes = sizes = np.minimum(np.asarray(limits), worthwhile.astype(np.int64))
-        availability = self.availability() if found is None else self._found_now.astype(np.float64)
+        found = None if found is None else np.asarray(found, dtype=bool)
+        availability = self.availability() if found is None else found.astype(np.float64)
         self._planned = self._best_width(sizes, drafted=False, availability=availability)
         self._wakers = None
         if self._planned == 0 and found is not None:
-            waiting = (sizes > 0) & ~self._found_now
+            waiting = (sizes > 0) & ~found
             if waiting.any() and self._best_width(sizes, drafted=False, availability=availability + waiting) > 0:
                 self._wakers = waiting
         if self._planned > 0:

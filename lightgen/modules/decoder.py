@@ -382,11 +382,16 @@ class Decoder:
         sentences = encoder_hidden[::expand].contiguous()
         encoder_keep = (torch.ones(sentences.shape[:2], dtype=torch.bool, device=sentences.device)
                         if encoder_mask is None else encoder_mask[::expand].bool())
+        # fp16 / bf16: the projections run over every row's copy, as HF's cache makes them, and each sentence keeps its
+        # first: ATen's half matmul rounds a row otherwise at another row count (a bf16 BART's beams over a padded
+        # sentence: 6 rows' keys, not 2). fp32's kernels compute a row the same at any count.
+        projected, every = ((encoder_hidden.contiguous(), expand) if encoder_hidden.dtype != torch.float32
+                            else (sentences, 1))
         cross_keys, cross_values = [], []
         for layer in self.spec.layers:
             attn = layer.cross_attn
-            cross_keys.append(_split_heads(apply_linear(attn.k, sentences), attn.kv_heads).contiguous())
-            cross_values.append(_split_heads(apply_linear(attn.v, sentences), attn.kv_heads).contiguous())
+            cross_keys.append(_split_heads(apply_linear(attn.k, projected)[::every], attn.kv_heads).contiguous())
+            cross_values.append(_split_heads(apply_linear(attn.v, projected)[::every], attn.kv_heads).contiguous())
         return self._with_bias_table(DecodeState(cache, key_keep, next_position, cross_keys, cross_values,
                                                  encoder_keep, expand, position_limit))
 

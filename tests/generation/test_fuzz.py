@@ -993,9 +993,11 @@ def test_fuzz_half_precision_generate_arguments_regressions(seed):
 # torch's matmul runs otherwise than the op's copy did. And (1 of ~2,000) Qwen2 fp16 beams on a static cache of an
 # unpadded prompt: HF's mask over the unwritten slots makes its sdpa pack the grouped heads there too. And (1 of
 # 5049) a Qwen2 fp16 eager beam case with attentions whose padding positions turned NaN: HF's additive mask leaves
-# every weight of their row's queries NaN, where lightgen's masked keys weighed 0.
+# every weight of their row's queries NaN, where lightgen's masked keys weighed 0. And (1 of 10,976) BART bf16 beams
+# over a padded sentence: HF projects the cross-attention K/V of every beam row's copy of the encoder output, and
+# ATen's bf16 matmul rounded that sentence's keys otherwise at 6 rows than at lightgen's 2 (one per sentence).
 @pytest.mark.parametrize("seed", [712774, 704749, 707956, 714417, 900083, 1100147, 1100345, 1101028,
-                                  17111595200021, 21318037400907, 800202024])
+                                  17111595200021, 21318037400907, 800202024, 712080308240])
 def test_fuzz_half_precision_regressions(seed):
     run_half_case(seed)
 
