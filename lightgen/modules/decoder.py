@@ -385,13 +385,13 @@ class Decoder:
         # fp16 / bf16: the projections run over every row's copy, as HF's cache makes them, and each sentence keeps its
         # first: ATen's half matmul rounds a row otherwise at another row count (a bf16 BART's beams over a padded
         # sentence: 6 rows' keys, not 2). fp32's kernels compute a row the same at any count.
-        projected, every = ((encoder_hidden.contiguous(), expand) if encoder_hidden.dtype != torch.float32
-                            else (sentences, 1))
+        projected, stride = ((encoder_hidden.contiguous(), expand) if encoder_hidden.dtype != torch.float32
+                             else (sentences, 1))
         cross_keys, cross_values = [], []
         for layer in self.spec.layers:
             attn = layer.cross_attn
-            cross_keys.append(_split_heads(apply_linear(attn.k, projected)[::every], attn.kv_heads).contiguous())
-            cross_values.append(_split_heads(apply_linear(attn.v, projected)[::every], attn.kv_heads).contiguous())
+            cross_keys.append(_split_heads(apply_linear(attn.k, projected)[::stride], attn.kv_heads).contiguous())
+            cross_values.append(_split_heads(apply_linear(attn.v, projected)[::stride], attn.kv_heads).contiguous())
         return self._with_bias_table(DecodeState(cache, key_keep, next_position, cross_keys, cross_values,
                                                  encoder_keep, expand, position_limit))
 
@@ -499,9 +499,9 @@ class Decoder:
         # A multi-token prompt pass in fp16 / bf16 runs the head over every position where HF's does, and keeps the
         # last: ATen's half matmul rounds a row otherwise at another row count (a bf16 Pegasus decoder prompt of 3
         # tokens: 2 of 97 logits an ulp apart). fp32 rows run lightgen's kernels, whose rows do not depend on others.
-        every = (not all_positions and scored is None and state.in_prompt and state.prompt_head_everywhere
-                 and length > 1 and hidden.dtype != torch.float32)
-        last = hidden[scored] if scored is not None else hidden if all_positions or every else hidden[:, -1]
+        whole_prompt = (not all_positions and scored is None and state.in_prompt and state.prompt_head_everywhere
+                        and length > 1 and hidden.dtype != torch.float32)
+        last = hidden[scored] if scored is not None else hidden if all_positions or whole_prompt else hidden[:, -1]
         if spec.final_norm is not None:
             last = apply_norm(spec.final_norm, last)
         if spec.project_out is not None:
@@ -509,7 +509,7 @@ class Decoder:
         if spec.lm_head_input_scale != 1.0:
             last = last * spec.lm_head_input_scale
         logits = self._vocabulary_logits(last)
-        return (logits[:, -1] if every else logits).float()
+        return (logits[:, -1] if whole_prompt else logits).float()
 
     def _layers(self, state: DecodeState, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Every decoder layer on ``hidden`` [N, T, E], the step's K/V written into the cache: one native call
