@@ -45,8 +45,10 @@ def lightgen_attention_forward(module, query, key, value, attention_mask, scalin
 
 def lightgen_eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                                      is_causal=None, **kwargs):
-    # fp16 / bf16 round where eager does, not where sdpa does: a prefill runs the family's eager function itself.
-    if query.dtype != torch.float32 and query.shape[-2] > 1:
+    # fp16 / bf16 round where eager does, not where sdpa does: a prefill runs the family's eager function itself, and
+    # so does a query without keys (a padding position, e.g. a chunk of HF's chunked prefill): eager adds the dtype's
+    # lowest to its scores, which fp16 does not absorb from 16 on (uneven weights; all -inf: NaN), not an even spread.
+    if query.dtype != torch.float32 and (query.shape[-2] > 1 or _sees_no_key(attention_mask, key.shape[-2])):
         return _eager(module, query, key, value, attention_mask, is_causal, True, scaling=scaling, dropout=dropout,
                       **kwargs)
     out, weights = _forward(module, query, key, value, attention_mask, scaling, dropout, is_causal, True, **kwargs)
@@ -54,6 +56,11 @@ def lightgen_eager_attention_forward(module, query, key, value, attention_mask, 
         return out, weights  # eager's own function ran, or no query can be without keys
     keyless = ~attention_mask[..., :key.shape[-2]].any(-1)  # [B, 1 or H, Tq]
     return with_even_keyless(out, lambda: even_spread(value, value.shape[-2]), keyless.transpose(1, 2)), None
+
+
+def _sees_no_key(attention_mask, keys: int) -> bool:
+    return (attention_mask is not None and attention_mask.dtype == torch.bool
+            and not bool(attention_mask[..., :keys].any(-1).all()))
 
 
 def _forward(module, query, key, value, attention_mask, scaling, dropout, is_causal, eager_model: bool, **kwargs):

@@ -977,7 +977,9 @@ def test_fuzz_half_precision(variant):
 # chunks rounding otherwise than one prefill pass (lightgen now runs HF's loop there in fp16 / bf16). And (1 of 4174)
 # a Pegasus bf16 decoder prompt of 3 tokens (decoder_input_ids): HF's forward has no logits_to_keep, so its LM head
 # ran over the 3 positions, where ATen's matmul rounds the last row otherwise than alone (2 of 97 logits an ulp off).
-@pytest.mark.parametrize("seed", [800101154, 800101405, 712080200445])
+# And (1 of 4373) GPT-2 fp16 eager GAD with prefill_chunk_size=1 (HF's loop on the patched model): a chunk of left
+# padding sees no key, where HF's eager gave NaN (fp16's lowest not absorbed) and lightgen's even spread real values.
+@pytest.mark.parametrize("seed", [800101154, 800101405, 712080200445, 712080503092])
 def test_fuzz_half_precision_generate_arguments_regressions(seed):
     run_half_case(seed, arguments=True)
 
