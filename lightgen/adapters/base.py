@@ -12,6 +12,7 @@ from transformers import GenerationMixin
 
 from lightgen.adapters._patch import Patcher
 from lightgen.generation import engine
+from lightgen.memory import WeightArena
 from lightgen.modules import attention as lg_attention
 from lightgen.modules.decoder import NoEngine
 from lightgen.modules.linear import HEAD_PRECISION, check_precision, is_conv1d, linear_forward, linear_weights
@@ -68,13 +69,14 @@ def _patch_linears(model: nn.Module, patcher: Patcher, quantize: str | None, pac
     """Every nn.Linear and HF Conv1D runs the decode-shaped matmul where it pays."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
+    arena = WeightArena()
     for name, module in model.named_modules():
         if not (isinstance(module, nn.Linear) or is_conv1d(module)):
             continue
         # int4 keeps the LM head at int8, as llama.cpp's 4-bit files keep their output tensor at 6-8 bits: on
         # SmolLM2-135M a 4-bit head holds most of int4's error (benchmarks/quantize_quality.py).
         precision = HEAD_PRECISION.get(quantize, quantize) if module is head else quantize
-        weights = linear_weights(module, precision, pack)
+        weights = linear_weights(module, precision, pack, arena)
         if weights is not None:
             patcher.set(module, "_lightgen_linear", weights)
             layout = "packed" if weights.source else "in place"

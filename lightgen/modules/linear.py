@@ -19,11 +19,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from lightgen import ops
+from lightgen.memory import WeightArena
 from lightgen.ops.linear import (
     dequantize_grouped,
     int8_dot_available,
@@ -116,6 +118,16 @@ class LinearWeights:
         """The module's weight changed in place (``load_state_dict``, an optimizer step) or was replaced."""
         return self.source is not None and self.source != (weight._version, weight.data_ptr())
 
+    def placed(self, place: Callable[[torch.Tensor], torch.Tensor]) -> LinearWeights:
+        """A copy whose tensors are ``place(tensor)``'s (``weight`` and ``dot`` stay one tensor)."""
+        moved: dict[int, torch.Tensor] = {}
+        fields = {}
+        for name in ("weight", "scale", "offset", "dot", "dot_sums"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                fields[name] = moved.setdefault(id(tensor), place(tensor))
+        return dataclasses.replace(self, **fields)
+
     def run(self, x: torch.Tensor, bias: torch.Tensor | None, act: str = "none") -> torch.Tensor:
         if self.dot is not None:
             return ops.linear_int8_dynamic(x, self.dot, self.scale, self.offset, self.dot_sums, bias, act,
@@ -157,8 +169,9 @@ def packed_weights(weight: torch.Tensor, precision: str | None, fmt: QuantFormat
     return LinearWeights(packed, weight.shape[0], scale, offset, fmt.group_size, dot, dot_sums, precision=precision)
 
 
-def linear_weights(module: nn.Module, quantize: str | None, pack: bool) -> LinearWeights | None:
-    """What the kernel reads for ``module``, or None to leave it to ATen."""
+def linear_weights(module: nn.Module, quantize: str | None, pack: bool,
+                   arena: WeightArena | None = None) -> LinearWeights | None:
+    """What the kernel reads for ``module``, or None to leave it to ATen; a packed copy goes into ``arena``."""
     weight = module.weight
     if weight.dtype != torch.float32 or weight.device.type != "cpu":
         return None
@@ -166,6 +179,8 @@ def linear_weights(module: nn.Module, quantize: str | None, pack: bool) -> Linea
     if quantize is None and not pack:
         return LinearWeights(weight, weight.shape[1] if conv1d else weight.shape[0], conv1d=conv1d)
     packed = packed_weights(weight.t() if conv1d else weight, quantize)
+    if arena is not None:
+        packed = packed.placed(arena.place)
     return dataclasses.replace(packed, source=(weight._version, weight.data_ptr()))
 
 
