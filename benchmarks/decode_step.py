@@ -7,9 +7,9 @@ layers in one C++ call) and the Python step's layers under torch.compile (induct
 Each provider decodes one token per row on its own state after a 32-token prompt, then rolls the position back,
 so every timed call is the same step; providers are sampled in turn. The logits of the providers are checked
 equal (native vs Python: bit for bit) before timing. ms per step against the bandwidth floor (the bytes of the
-weights a step reads, over the read bandwidth of a 256 MB sum timed in turn with the steps). Prints a markdown table
-and writes <out>/decode_step.json (and decode_step.png with matplotlib); with ``--quantize``, the weights of
-``accelerate_model(quantize=...)`` and decode_step_<precision>.json / .png.
+weights a step reads, over the read bandwidth of a 256 MB sum on 2 MB pages, as the weights are, timed in turn with
+the steps). Prints a markdown table and writes <out>/decode_step.json (and decode_step.png with matplotlib); with
+``--quantize``, the weights of ``accelerate_model(quantize=...)`` and decode_step_<precision>.json / .png.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from lightgen.modules.decoder import DECODER_ATTR
 
 from _common import (ContentionMeter, Sampling, Timing, format_speedup, hardware_title, machine_lines, measure,
                      speedup_chart, start_run, write_results)
-from generate import load_smollm2, memory_bandwidth, smollm2_missing
+from generate import bandwidth_tensor, load_smollm2, memory_bandwidth, smollm2_missing
 
 PROMPT = 32
 BATCHES = (1, 8)
@@ -122,7 +122,7 @@ def run_batch(decoder, batch: int, sampling: Sampling, compile_step: bool, weigh
     expected = providers[PYTHON]()
     equal = {name: bool(torch.equal(provider(), expected)) for name, provider in providers.items()}
     before = decoder.native_steps
-    source = torch.rand(READ_BYTES // 4)
+    source = bandwidth_tensor(READ_BYTES // 4)
     timings = measure({**providers, READ: source.sum}, sampling)
     if decoder.native_steps == before:
         sys.exit("the native step did not run")
@@ -139,8 +139,8 @@ def markdown(env: dict, rows: list[Row], weights_mb: float, bandwidth: float, no
         *machine_lines(env),
         f"- load average before timing: {env['load_before']}; {env['mode']} mode; {env['timing_seconds']:.0f} s "
         f"of timing; one step after a {PROMPT}-token prompt, median of interleaved samples, † noisy",
-        f"- bandwidth floor: {weights_mb:.0f} MB of weights a step at the read bandwidth of the `{READ}` sum timed "
-        f"in turn with the steps ({bandwidth:.1f} GB/s measured before them)",
+        f"- bandwidth floor: {weights_mb:.0f} MB of weights a step at the read bandwidth of the `{READ}` sum (2 MB "
+        f"pages) timed in turn with the steps ({bandwidth:.1f} GB/s measured before them)",
         *(f"- {note}" for note in notes),
         "",
         "| B | " + " | ".join(f"{name} ms" for name in rows[0].timings)

@@ -13,6 +13,7 @@ from torch import nn
 
 from lightgen import ops
 from lightgen.generation.tokens import pad_rows, padding_mask
+from lightgen.memory import WeightArena
 
 CONFIG_NAME = "drafter_config.json"
 WEIGHTS_NAME = "drafter.safetensors"
@@ -149,8 +150,11 @@ class _DraftingLayers:
     def __init__(self, drafter: NARDrafter, signature) -> None:
         from lightgen.modules.linear import packed_weights
 
+        arena = WeightArena()
+
         def packed(weight, bias):
-            return packed_weights(weight, drafter.drafting_precision), None if bias is None else bias.detach()
+            weights = packed_weights(weight, drafter.drafting_precision).placed(arena.place)
+            return weights, None if bias is None else bias.detach()
 
         self.signature = signature
         self.heads = drafter.config.heads
