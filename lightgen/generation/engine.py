@@ -726,6 +726,20 @@ def _can_drop_finished_rows(state, rows, generation_config, logits_processor, st
             and all(_row_wise(p, rows) for p in [*logits_processor, *stopping_criteria]))
 
 
+def _applying(processors):
+    """``processors(input_ids, scores)`` as HF's LogitsProcessorList computes it, without the list's
+    ``inspect.signature`` of every processor at every step (~10 us each): a list whose processors all take
+    (input_ids, scores) is applied in a plain loop; any other list is called as it is (HF's own error then)."""
+    if any(len(inspect.signature(processor.__call__).parameters) > 2 for processor in processors):
+        return processors
+
+    def apply(input_ids, scores):
+        for processor in processors:
+            scores = processor(input_ids, scores)
+        return scores
+    return apply
+
+
 def _greedy_or_sample(decoder, state, input_ids, prompt_positions, logits_processor, stopping_criteria,
                       generation_config, output_class, streamer=None, keep_every_row=False):
     """HF's ``_sample`` semantics: same processors, same RNG calls, same stopping and padding, the same
@@ -745,11 +759,12 @@ def _greedy_or_sample(decoder, state, input_ids, prompt_positions, logits_proces
     output = None  # [rows, max_length] once finished rows have been dropped from ``sequences``
     live_rows = None  # which output row each row of ``sequences`` is, after a drop
     unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
+    process = _applying(logits_processor)
     logits = decoder.prefill(state, input_ids, prompt_positions)
     while True:
         if keep_logits:  # before the processors, which may write in place
             raw_logits += (logits.clone(),)
-        next_token_scores = logits_processor(sequences[:, :cur_len], logits)
+        next_token_scores = process(sequences[:, :cur_len], logits)
         if keep_scores:
             scores += (next_token_scores,)
         if generation_config.do_sample:
@@ -860,6 +875,7 @@ def _beam_search(model, decoder, state, input_ids, prompt_positions, logits_proc
     # Without processors between them, log_softmax fuses into the R-top-k pass.
     fuse_log_softmax = len(logits_processor) == 0 and not keep_scores
     flat_running_sequences = input_ids
+    process = _applying(logits_processor)
     logits = decoder.prefill(state, input_ids, prompt_positions)
     while True:
         if keep_logits:
@@ -867,7 +883,7 @@ def _beam_search(model, decoder, state, input_ids, prompt_positions, logits_proc
         if fuse_log_softmax:
             log_probs = logits
         else:
-            log_probs = logits_processor(flat_running_sequences, nn.functional.log_softmax(logits, dim=-1))
+            log_probs = process(flat_running_sequences, nn.functional.log_softmax(logits, dim=-1))
         if keep_scores:
             all_scores += (log_probs.clone(),)
         if generation_config.do_sample:

@@ -559,6 +559,35 @@ def test_min_length_blocking_copies_after_a_processor_of_unknown_origin():
     assert not after_user[1].in_place and torch.isinf(out[:, 3]).all() and not cached.kept.isinf().any()
 
 
+def test_processors_apply_as_hfs_list_does_with_signatures_checked_once():
+    from transformers import (LogitsProcessor, LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
+                              NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper)
+
+    from lightgen.generation.engine import _applying
+
+    class NeedsMore(LogitsProcessor):  # HF's list refuses it unless the keyword is passed (it never is)
+        def __call__(self, input_ids, scores, extra):
+            return scores
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 40, (3, 9), generator=generator)
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3), NoRepeatNGramLogitsProcessor(2),
+                                      MinNewTokensLengthLogitsProcessor(5, 4, torch.tensor([2])),
+                                      TemperatureLogitsWarper(0.7)])
+    for _ in range(5):
+        scores = torch.randn(3, 40, generator=generator)
+        assert torch.equal(_applying(processors)(ids, scores.clone()), processors(ids, scores.clone()))
+    with_more = LogitsProcessorList([*processors, NeedsMore()])
+    assert _applying(with_more) is with_more
+    accelerated, reference = _pair("gpt2", 3)
+    ids, mask = padded_batch("gpt2", 2, 5, seed=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0,
+                  logits_processor=LogitsProcessorList([NeedsMore()]))
+    for model in (reference, accelerated):
+        with pytest.raises(ValueError, match="required parameters"):
+            model.generate(**kwargs)
+
+
 @pytest.mark.parametrize("top_k", [1, 3, 50, 400])
 def test_top_k_keeps_the_scores_hfs_warper_keeps(top_k):
     """Ties at the k-th score, rows already mostly masked, k past the vocabulary, NaN / +inf (HF's own call)."""
