@@ -121,27 +121,28 @@ class CopyFromInput:
             drafts.append([] if start is None else self.sources[row][start:start + size])
         return drafts
 
-    def draft_array(self, rows: np.ndarray, tails: list[list[int]], sizes: np.ndarray) -> np.ndarray:
-        """``draft`` on arrays: rows [N] (batch rows), each row's last tokens ``tails`` (up to the longest
-        suffix), sizes [N] -> drafts [N, max(sizes)] int64, -1 after each row's draft."""
+    def anchors(self, rows: np.ndarray, tails: list[list[int]]) -> np.ndarray:
+        """[N] int64: where each row's draft starts in its source, found from its last tokens ``tails`` (up to the
+        longest suffix); where it has no anchor, the padding column after the longest source."""
+        missing = self._table.shape[1] - 1
+        starts = [_anchor(tail, self._indexes[row]) for row, tail in zip(rows.tolist(), tails, strict=True)]
+        return np.array([missing if start is None else start for start in starts], dtype=np.int64)
+
+    def anchored(self, rows: np.ndarray, anchors: np.ndarray) -> np.ndarray:
+        """[N] bool: whether each row has a draft at its anchor (its source goes on after it), so the draft policy
+        knows it before deciding to draft."""
+        return self._table[rows, anchors] >= 0
+
+    def draft_array(self, rows: np.ndarray, anchors: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """``draft`` on arrays: rows [N] (batch rows), their ``anchors``, sizes [N] -> drafts [N, max(sizes)] int64,
+        -1 after each row's draft."""
         width = int(sizes.max()) if sizes.size else 0
         if width == 0:
-            return np.empty((len(tails), 0), dtype=np.int64)
-        missing = self._table.shape[1] - 1  # a column of -1 in every row
-        begin = np.array([missing if start is None else start for start in self._starts(rows, tails)], dtype=np.int64)
-        places = np.minimum(begin[:, None] + np.arange(width), missing)
+            return np.empty((len(anchors), 0), dtype=np.int64)
+        places = np.minimum(anchors[:, None] + np.arange(width), self._table.shape[1] - 1)
         drafts = self._table[rows[:, None], places]
         drafts[np.arange(width) >= sizes[:, None]] = -1
         return drafts
-
-    def anchored(self, rows: np.ndarray, tails: list[list[int]]) -> np.ndarray:
-        """[N] bool: whether each row has an anchor to copy from (a draft, where its source goes on after it): an
-        index lookup, so the draft policy knows it before deciding to draft."""
-        starts = [-1 if start is None else start for start in self._starts(rows, tails)]
-        return self._table[rows, starts] >= 0  # column -1: the padding after the longest source
-
-    def _starts(self, rows: np.ndarray, tails: list[list[int]]) -> list[int | None]:
-        return [_anchor(tail, self._indexes[row]) for row, tail in zip(rows.tolist(), tails, strict=True)]
 
     def close(self) -> None:
         pass
@@ -237,14 +238,15 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
         per_row = max_draft.per_row(live.shape[0]) if isinstance(max_draft, DraftBudget) else max_draft
         if kernel_rows < math.inf:
             per_row = max(0, min(per_row, int(kernel_rows) // live.shape[0] - 1))
+        anchors = _anchors(drafter, live, sequences, lengths[live])
         # The verifier's own token needs one more place after the draft.
         sizes = policy.plan(np.minimum(max_length - lengths[live] - 1, per_row),
-                            found=_anchored(drafter, live, sequences, lengths[live]))
+                            found=None if anchors is None else drafter.anchored(live, anchors))
         if not policy.drafting:
             return _greedy_steps(decoder, state, policy, sequences, lengths, live, eos, max_length, history, streamer,
                                  drafter)
-        return _draft_and_verify(decoder, state, drafter, policy, sizes, sequences, lengths, live, pad_token_id,
-                                 acceptance)
+        return _draft_and_verify(decoder, state, drafter, policy, sizes, anchors, sequences, lengths, live,
+                                 pad_token_id, acceptance)
 
     if prompt_len == 1:  # a lone start token (encoder-decoder): the first pass may already verify a draft
         logits, best, drafts = next_pass()
@@ -337,7 +339,8 @@ def _greedy_steps(decoder, state, policy: DraftPolicy, sequences, lengths, live,
             waiting = np.flatnonzero(policy.waiting)
             # Only the waiting rows' tokens so far are looked up; the main loop writes them all.
             sequences[live[waiting], row_lengths[waiting] + step] = best.cpu().numpy()[waiting]
-            if _anchored(drafter, live[waiting], sequences, row_lengths[waiting] + step + 1).any():
+            rows = live[waiting]
+            if drafter.anchored(rows, _anchors(drafter, rows, sequences, row_lengths[waiting] + step + 1)).any():
                 policy.wake()
                 break
         tokens.append(best)
@@ -351,16 +354,17 @@ def _greedy_steps(decoder, state, policy: DraftPolicy, sequences, lengths, live,
     return logits[:, None], best[:, None].cpu().numpy(), np.empty((best.shape[0], 0), dtype=np.int64)
 
 
-def _draft_and_verify(decoder, state, drafter, policy: DraftPolicy, sizes, sequences, lengths, live, pad_token_id,
-                      acceptance: Acceptance):
-    """Drafts of up to ``sizes`` [rows] tokens for the rows still decoding, cut to the width the policy picks, and
+def _draft_and_verify(decoder, state, drafter, policy: DraftPolicy, sizes, anchors, sequences, lengths, live,
+                      pad_token_id, acceptance: Acceptance):
+    """Drafts of up to ``sizes`` [rows] tokens for the rows still decoding (a copy drafter's from ``anchors``, those
+    the policy's plan was made with), cut to the width the policy picks, and
     one pass verifying them: the logits [rows, 1 + K, V] when the acceptance rule reads them (None otherwise),
     their argmax [rows, 1 + K] (-1 at the padding after short drafts, which greedy acceptance never reads, so
     lightgen's decoder skips their LM head) and the drafts [rows, K] (-1 after each row's draft), on the host. The
     pass's time goes to the policy's cost line."""
     row_lengths = lengths[live]
     drafting_started = time.perf_counter()
-    drafts = _draft(drafter, live, sequences, row_lengths, sizes)
+    drafts = _draft(drafter, live, sequences, row_lengths, sizes, anchors)
     if getattr(drafter, "steps_per_token", False):
         policy.drafted(int(sizes.max()), time.perf_counter() - drafting_started)
     drafts = _within_vocabulary(drafts, decoder.spec.token_embedding.shape[0])
@@ -396,9 +400,10 @@ def _within_vocabulary(drafts: np.ndarray, vocab: int) -> np.ndarray:
     return np.where(np.logical_or.accumulate(outside, axis=-1), -1, drafts) if outside.any() else drafts
 
 
-def _anchored(drafter, live: np.ndarray, sequences: np.ndarray, row_lengths: np.ndarray) -> np.ndarray | None:
-    """[rows] bool: which rows a copy drafter has a draft for now (None: the drafter cannot tell without drafting)."""
-    return drafter.anchored(live, _tails(sequences, live, row_lengths)) if isinstance(drafter, CopyFromInput) else None
+def _anchors(drafter, live: np.ndarray, sequences: np.ndarray, row_lengths: np.ndarray) -> np.ndarray | None:
+    """A copy drafter's anchors for the rows now (``CopyFromInput.anchors``); None for other drafters, which cannot
+    tell without drafting."""
+    return drafter.anchors(live, _tails(sequences, live, row_lengths)) if isinstance(drafter, CopyFromInput) else None
 
 
 def _tails(sequences: np.ndarray, live: np.ndarray, row_lengths: np.ndarray) -> list[list[int]]:
@@ -408,12 +413,13 @@ def _tails(sequences: np.ndarray, live: np.ndarray, row_lengths: np.ndarray) -> 
     return [tail[max(0, len(tail) - length):] for tail, length in zip(tails, row_lengths.tolist(), strict=True)]
 
 
-def _draft(drafter, live: np.ndarray, sequences: np.ndarray, row_lengths: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+def _draft(drafter, live: np.ndarray, sequences: np.ndarray, row_lengths: np.ndarray, sizes: np.ndarray,
+           anchors: np.ndarray | None) -> np.ndarray:
     """[rows, max(sizes)] draft tokens, -1 after each row's draft."""
     if not (sizes > 0).any():
         return np.empty((sizes.shape[0], 0), dtype=np.int64)
-    if isinstance(drafter, CopyFromInput):
-        return drafter.draft_array(live, _tails(sequences, live, row_lengths), sizes)
+    if anchors is not None:
+        return drafter.draft_array(live, anchors, sizes)
     outputs = [row[:length] for row, length in zip(sequences[live].tolist(), row_lengths.tolist(), strict=True)]
     limits = sizes.tolist()
     drafts = drafter.draft(live.tolist(), outputs, limits)

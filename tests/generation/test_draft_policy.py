@@ -553,12 +553,13 @@ def test_indexed_anchors_and_tensor_drafts_match_scanning():
         for output, row in zip(outputs, rows):
             assert find_anchor(output, sources[row]) == _find_anchor_by_scanning(output, sources[row])
         lists = drafter.draft(rows, outputs, sizes)
-        array = drafter.draft_array(np.array(rows), [output[-3:] for output in outputs], np.array(sizes))
+        anchors = drafter.anchors(np.array(rows), [output[-3:] for output in outputs])
+        array = drafter.draft_array(np.array(rows), anchors, np.array(sizes))
         assert array.shape == (len(rows), max(sizes))
         assert [[t for t in row if t >= 0] for row in array.tolist()] == lists
         assert all(set(row[len(draft):]) <= {-1} for row, draft in zip(array.tolist(), lists))
         found = drafter.draft(rows, outputs, [1] * len(rows))
-        assert drafter.anchored(np.array(rows), [output[-3:] for output in outputs]).tolist() == list(map(bool, found))
+        assert drafter.anchored(np.array(rows), anchors).tolist() == list(map(bool, found))
 
 
 def test_a_drafter_that_steps_once_a_token_is_priced_per_token():
