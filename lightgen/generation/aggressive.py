@@ -337,9 +337,9 @@ def _greedy_steps(decoder, state, policy: DraftPolicy, sequences, lengths, live,
             break
         if policy.waiting is not None:
             waiting = np.flatnonzero(policy.waiting)
-            # Only the waiting rows' tokens so far are looked up; the main loop writes them all.
-            sequences[live[waiting], row_lengths[waiting] + step] = best.cpu().numpy()[waiting]
             rows = live[waiting]
+            # Only the waiting rows' tokens so far are looked up; the main loop writes them all.
+            sequences[rows, row_lengths[waiting] + step] = best.cpu().numpy()[waiting]
             if drafter.anchored(rows, _anchors(drafter, rows, sequences, row_lengths[waiting] + step + 1)).any():
                 policy.wake()
                 break

@@ -306,9 +306,12 @@ def _attention_windows(cache, layers: int) -> tuple[int, ...] | str:
     return tuple(windows)
 
 
-def _round_as_eager(state, model, cache, past: int, new: int) -> None:
-    """For a model on HF's eager attention, what ``state``'s attention follows of it: where its softmax rounds, and
-    per layer the keys HF's cache layer hands attention in a prompt pass of ``new`` positions after ``past``."""
+def _follow_hf(state, model, cache, static_slots, past: int, new: int) -> None:
+    """What ``state`` follows of HF's call where fp16 / bf16 round by it: the static cache's slots, whether the prompt
+    pass's LM head runs over every position, and on HF's eager attention where its softmax rounds and per layer the
+    keys HF's cache layer hands attention in a prompt pass of ``new`` positions after ``past``."""
+    state.static_slots = static_slots
+    state.prompt_head_everywhere = not _keeps_logits(model)
     if model.config._attn_implementation == lg_attention.EAGER_IMPLEMENTATION:
         state.eager_spans = _eager_key_spans(model, cache, past, new)
         state.eager_softmax_in_dtype = lg_attention.softmax_in_dtype(model)
@@ -526,9 +529,7 @@ def lightgen_decode(model, input_ids, logits_processor, stopping_criteria, gener
     if _observes(generation_config):
         state.observed = Observed(bool(generation_config.output_attentions),
                                   bool(generation_config.output_hidden_states), windows or ())
-    _round_as_eager(state, model, layout, past, prompt_len - cached)
-    state.static_slots = static_slots
-    state.prompt_head_everywhere = not _keeps_logits(model)
+    _follow_hf(state, model, layout, static_slots, past, prompt_len - cached)
     try:
         if cache is not None:
             hf_cache.load(state, cache)
@@ -597,9 +598,7 @@ def _aggressive(model, input_ids, inputs_tensor, generation_config, logits_proce
     else:
         state = decoder.start(**start, prompt_mask=_step_mask(mask, static_slots))
     try:
-        _round_as_eager(state, model, layout, 0, input_ids.shape[1])
-        state.static_slots = static_slots
-        state.prompt_head_everywhere = not _keeps_logits(model)
+        _follow_hf(state, model, layout, static_slots, 0, input_ids.shape[1])
         if aggressive.drafter is None:
             drafts = CopyFromInput(sources)
         else:

@@ -144,9 +144,15 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
-def packed_weights(weight: torch.Tensor, precision: str | None, fmt: QuantFormat | None = None) -> LinearWeights:
+def packed_weights(weight: torch.Tensor, precision: str | None, fmt: QuantFormat | None = None,
+                   arena: WeightArena | None = None) -> LinearWeights:
     """[N, K] float weight -> packed panels: fp32, bf16, or int8 / int4 group-wise (``FORMATS[precision]``
-    unless ``fmt`` is given)."""
+    unless ``fmt`` is given), copied into ``arena`` where given."""
+    packed = _packed(weight, precision, fmt)
+    return packed if arena is None else packed.placed(arena.place)
+
+
+def _packed(weight: torch.Tensor, precision: str | None, fmt: QuantFormat | None) -> LinearWeights:
     weight = weight.detach().float()
     if precision is None:
         return LinearWeights(pack_panels(weight), weight.shape[0])
@@ -178,9 +184,7 @@ def linear_weights(module: nn.Module, quantize: str | None, pack: bool,
     conv1d = is_conv1d(module)
     if quantize is None and not pack:
         return LinearWeights(weight, weight.shape[1] if conv1d else weight.shape[0], conv1d=conv1d)
-    packed = packed_weights(weight.t() if conv1d else weight, quantize)
-    if arena is not None:
-        packed = packed.placed(arena.place)
+    packed = packed_weights(weight.t() if conv1d else weight, quantize, arena=arena)
     return dataclasses.replace(packed, source=(weight._version, weight.data_ptr()))
 
 

@@ -153,7 +153,7 @@ class _DraftingLayers:
         arena = WeightArena()
 
         def packed(weight, bias):
-            weights = packed_weights(weight, drafter.drafting_precision).placed(arena.place)
+            weights = packed_weights(weight, drafter.drafting_precision, arena=arena)
             return weights, None if bias is None else bias.detach()
 
         self.signature = signature
