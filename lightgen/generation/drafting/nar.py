@@ -290,26 +290,34 @@ class _NARSession:
             if encoder_hidden is None or encoder_hidden.shape[-1] != config.d_model:
                 raise ValueError(f"this drafter reads the verifier's encoder output (width {config.d_model}): it "
                                  f"drafts for encoder-decoder verifiers of that width only")
-            self.memory = encoder_hidden.to(drafter.head.weight.dtype)
+            self._memory = encoder_hidden.to(drafter.head.weight.dtype)
             self.source_pad = (torch.zeros(encoder_hidden.shape[:2], dtype=torch.bool, device=device)
                                if encoder_mask is None else ~encoder_mask.bool())
         else:
             sources = [row[:config.max_positions] or [config.pad_token_id] for row in sources]
-            source = pad_rows(sources, config.pad_token_id, device)
+            self._source = pad_rows(sources, config.pad_token_id, device)
             self.source_pad = padding_mask(sources, device)
-            with torch.inference_mode():
-                self.memory = drafter.encode(source, self.source_pad)
+            self._memory = None  # encoded at the first draft, as the cross-attention K/V below
         self.layers = drafter.drafting_layers()
         self.cache = None
         self._selected_rows: list[int] | None = None
-        # The cross-attention K/V, made at the first draft: a call whose policy never drafts (drafts that do not
-        # pay) skips them (demo model, batch 8, interleaved with greedy: GAD 0.90 -> 1.00x greedy's speed).
+        # The cross-attention K/V (and a drafter's own encoding of the sources), made at the first draft: a call
+        # whose policy never drafts (drafts that do not pay) skips them (demo model, batch 8, interleaved with
+        # greedy: the K/V, GAD 0.90 -> 1.00x greedy's speed).
         self._cross: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if self.layers is not None:
             if config.causal_prefix:
                 length = min(config.max_positions, max_length or config.max_positions)
-                self.cache = _PrefixCache(config.decoder_layers, self.memory.shape[0], config.heads, length,
+                self.cache = _PrefixCache(config.decoder_layers, self.source_pad.shape[0], config.heads, length,
                                           config.d_model // config.heads)
+
+    @property
+    def memory(self) -> torch.Tensor:
+        """The encoder side the drafter attends to: the verifier's encoder output or the drafter's own encoding."""
+        if self._memory is None:
+            with torch.inference_mode():
+                self._memory = self.drafter.encode(self._source, self.source_pad)
+        return self._memory
 
     def draft(self, rows, outputs, sizes):
         config, drafter = self.drafter.config, self.drafter
@@ -322,8 +330,8 @@ class _NARSession:
             return self._draft_cached(rows, outputs, block)
         context = config.max_positions - block  # longer outputs draft from their most recent tokens
         targets = [output[-context:] + [drafter.mask_token_id] * block for output in outputs]
-        target = pad_rows(targets, config.pad_token_id, self.memory.device)
-        target_pad = padding_mask(targets, self.memory.device)
+        target = pad_rows(targets, config.pad_token_id, self.source_pad.device)
+        target_pad = padding_mask(targets, self.source_pad.device)
         with torch.inference_mode():
             index, memory, source_keep = self._rows(rows)
             if self.layers is None:
@@ -337,7 +345,7 @@ class _NARSession:
         cross-attention K/V (kernels), selected again only when the rows change (rows finish) rather than
         on every pass."""
         if rows != self._selected_rows:
-            index = torch.tensor(rows, device=self.memory.device)
+            index = torch.tensor(rows, device=self.source_pad.device)
             if self.layers is not None and self._cross is None:
                 self._cross = self.layers.cross_keys_values(self.memory)
             memory = (self.memory.index_select(0, index) if self.layers is None else
