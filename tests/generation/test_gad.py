@@ -79,19 +79,21 @@ def test_drafting_on_the_kernels_equals_the_module(encoder_layers, seed):
 
 
 def test_a_session_encodes_and_makes_the_cross_keys_and_values_at_its_first_draft_only(monkeypatch):
-    """A call whose policy never drafts (drafts that do not pay) costs no drafter work beyond its start: neither
-    the drafter's own encoding of the sources nor the cross-attention K/V."""
+    """A call whose policy never drafts (drafts that do not pay) costs no drafter work beyond its start: not the
+    drafter's own encoding of the sources, its kernels' layers (a walk over its parameters) or the cross K/V."""
     drafter = _random_drafter(3)
     layers = drafter.drafting_layers()
-    made, encoded = [], []
-    original, encode = layers.cross_keys_values, drafter.encode
+    made, encoded, looked_up = [], [], []
+    original, encode, drafting_layers = layers.cross_keys_values, drafter.encode, drafter.drafting_layers
     monkeypatch.setattr(layers, "cross_keys_values", lambda memory: made.append(1) or original(memory))
     monkeypatch.setattr(drafter, "encode", lambda *args: encoded.append(1) or encode(*args))
+    monkeypatch.setattr(drafter, "drafting_layers", lambda: looked_up.append(1) or drafting_layers())
     session = drafter.start([[5, 6, 7, 8], [9, 10]])
-    assert made == [] and encoded == []
+    assert made == [] and encoded == [] and looked_up == []
     first = session.draft([0, 1], [[2], [2, 4]], [3, 3])
-    assert session.draft([0, 1], [[2], [2, 4]], [3, 3]) == first and len(made) == 1 and len(encoded) == 1
-    assert session.draft([1], [[2, 4]], [3]) == first[1:] and len(made) == 1 and len(encoded) == 1
+    assert session.draft([0, 1], [[2], [2, 4]], [3, 3]) == first
+    assert session.draft([1], [[2, 4]], [3]) == first[1:]
+    assert len(made) == len(encoded) == len(looked_up) == 1
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

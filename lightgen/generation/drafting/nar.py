@@ -297,19 +297,17 @@ class _NARSession:
             sources = [row[:config.max_positions] or [config.pad_token_id] for row in sources]
             self._source = pad_rows(sources, config.pad_token_id, device)
             self.source_pad = padding_mask(sources, device)
-            self._memory = None  # encoded at the first draft, as the cross-attention K/V below
-        self.layers = drafter.drafting_layers()
-        self.cache = None
+            self._memory = None
+        self._max_length = max_length
+        # What drafting needs beyond the call's inputs is made at the first draft (``_prepare``, and the cross K/V
+        # in ``_rows``): a call whose policy never drafts (drafts that do not pay) skips it (demo model, batch 8,
+        # interleaved with greedy: the cross K/V, GAD 0.90 -> 1.00x greedy's speed; the kernels' layers, a walk over
+        # the drafter's parameters: a session started in 80 instead of 9 us).
+        self.layers: _DraftingLayers | None = None
+        self.cache: _PrefixCache | None = None
+        self._prepared = False
         self._selected_rows: list[int] | None = None
-        # The cross-attention K/V (and a drafter's own encoding of the sources), made at the first draft: a call
-        # whose policy never drafts (drafts that do not pay) skips them (demo model, batch 8, interleaved with
-        # greedy: the K/V, GAD 0.90 -> 1.00x greedy's speed).
         self._cross: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        if self.layers is not None:
-            if config.causal_prefix:
-                length = min(config.max_positions, max_length or config.max_positions)
-                self.cache = _PrefixCache(config.decoder_layers, self.source_pad.shape[0], config.heads, length,
-                                          config.d_model // config.heads)
 
     @property
     def memory(self) -> torch.Tensor:
@@ -319,6 +317,18 @@ class _NARSession:
                 self._memory = self.drafter.encode(self._source, self.source_pad)
         return self._memory
 
+    def _prepare(self) -> None:
+        """The drafter's decoder on the kernels (``layers``) and, for a ``causal_prefix`` drafter, its cache."""
+        if self._prepared:
+            return
+        self._prepared = True
+        config = self.drafter.config
+        self.layers = self.drafter.drafting_layers()
+        if self.layers is not None and config.causal_prefix:
+            length = min(config.max_positions, self._max_length or config.max_positions)
+            self.cache = _PrefixCache(config.decoder_layers, self.source_pad.shape[0], config.heads, length,
+                                      config.d_model // config.heads)
+
     def draft(self, rows, outputs, sizes):
         config, drafter = self.drafter.config, self.drafter
         block = min(max(sizes), config.max_block_size)
@@ -326,6 +336,7 @@ class _NARSession:
             return [[] for _ in rows]
         if self.prompt_width:
             outputs = [output[self.prompt_width:] for output in outputs]
+        self._prepare()
         if self.cache is not None:
             return self._draft_cached(rows, outputs, block)
         context = config.max_positions - block  # longer outputs draft from their most recent tokens
