@@ -45,6 +45,15 @@ HISTORY_DECAY = 0.5
 DECAY = 0.85
 # Draft tokens whose expected acceptance is below this are not worth their place (and their LM-head row).
 WORTHWHILE = 0.05
+# The share of the draft tokens the per-row estimate expects that passes keep, p^1 + .. + p^K a row, is learned per
+# decoder and kind of drafter (``AcceptanceHistory.calibration``), the evidence decayed per drafting pass, and
+# scales the tokens a draft is expected to add, within this range, once this many tokens were expected. The geometric
+# p^i is right for a copy drafter (IAD keeps more: capped at 1) and too hopeful for one whose drafts are kept whole
+# or hardly at all: the demo's shipped GAD drafter kept 3-4 of the 5.5-7.5 its rows' p promised (block 8), each pass
+# cost ~6 greedy steps, and GAD ran at 0.90x greedy at batch 1.
+CALIBRATION_RANGE = (0.25, 1.0)
+CALIBRATION_EVIDENCE = 4.0
+CALIBRATION_DECAY = 0.9
 # Probes (one-token drafts while greedy steps win) may cost this share of the greedy steps' time between them ...
 PROBE_SHARE = 0.03
 # ... but come after this many greedy steps at least and at most.
@@ -206,6 +215,18 @@ class AcceptanceHistory:
     def __init__(self) -> None:
         self.accepted = self.rejected = self.found = self.missed = 0.0
         self.greedy_steps = 0  # greedy steps since the last probe or drafting pass, across calls
+        self.expected = self.kept = 0.0  # draft tokens the per-row estimates expected passes to keep, and kept
+
+    def calibration(self) -> float:
+        """The share of the draft tokens expected that passes kept (see CALIBRATION_RANGE)."""
+        if self.expected < CALIBRATION_EVIDENCE:
+            return 1.0
+        return min(max(self.kept / self.expected, CALIBRATION_RANGE[0]), CALIBRATION_RANGE[1])
+
+    def kept_of_expected(self, expected: float, kept: float) -> None:
+        """One drafting pass: its rows' estimates expected ``expected`` of its draft tokens kept, it kept ``kept``."""
+        self.expected = self.expected * CALIBRATION_DECAY + expected
+        self.kept = self.kept * CALIBRATION_DECAY + kept
 
     def prior(self) -> tuple[float, float]:
         """(accepted, rejected) pseudo-counts for a new row."""
@@ -368,7 +389,7 @@ class DraftPolicy:
             return 0
         rows = lengths.shape[0]
         places = np.arange(1, longest + 1)
-        expected = (self.acceptance()[:, None] ** places) * (places <= lengths[:, None])
+        expected = (self.acceptance()[:, None] ** places) * (places <= lengths[:, None]) * self.history.calibration()
         drafting = self.cost.around(True, rows)
         seconds = self.cost(rows * (1 + np.arange(longest + 1))) + drafting
         if not drafted:
@@ -389,6 +410,10 @@ class DraftPolicy:
         plan asked for a draft found one or not (``width`` saw the drafter's lengths)."""
         offered, accepted = np.asarray(offered, dtype=np.float64), np.asarray(accepted, dtype=np.float64)
         drafted, rejected = offered > 0, accepted < offered
+        if drafted.any():  # what the estimates expected before this pass's evidence: p + .. + p^offered a row
+            p = self.acceptance()[drafted]
+            self.history.kept_of_expected(float((p * (1 - p ** offered[drafted]) / (1 - p)).sum()),
+                                          float(accepted[drafted].sum()))
         self.accepted = np.where(drafted, self.accepted * DECAY + accepted, self.accepted)
         self.rejected = np.where(drafted, self.rejected * DECAY + rejected, self.rejected)
         asked = (self._asked > 0) if self.drafting else np.zeros(offered.shape, dtype=bool)

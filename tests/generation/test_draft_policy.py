@@ -181,6 +181,57 @@ def test_dear_drafting_runs_greedy_steps_though_its_drafts_are_right():
     assert cheap.width(cheap.plan(torch.tensor([8]))) > 1
 
 
+def _wide_passes_over_calls(history, cost, kept_whole, calls=20):
+    """Plans of one row over ``calls`` calls sharing ``history``; a draft is kept whole where ``kept_whole(plan)``,
+    else rejected at its first token. Returns how many passes verified more than one draft token."""
+    clock, wide = [0.0], 0
+    for _ in range(calls):
+        policy = DraftPolicy(1, cost, history)
+        wide += sum(width > 1 for width in _simulate(policy, torch.tensor([8]), 4, kept_whole, clock))
+        policy.finish()
+    return wide
+
+
+@pytest.mark.parametrize("calibrated", [True, False])
+def test_drafts_kept_less_than_their_estimate_promised_stop_drafting(calibrated, monkeypatch):
+    """The demo's GAD drafter: drafts kept whole or not at all, so the rows' p (and the history's mean, ~8/9) promise
+    ~5.5 of 8 tokens a pass where 4 are kept; with drafting priced at 4.5 greedy steps a pass adds 5 tokens for
+    5.5 steps' time. Calibrated by what passes kept, the policy stops drafting after two passes; without (range
+    pinned at 1) it drafted every pass of every call."""
+    from lightgen.generation import draft_policy
+
+    if not calibrated:
+        monkeypatch.setattr(draft_policy, "CALIBRATION_RANGE", (1.0, 1.0))
+    history = AcceptanceHistory()
+    history.accepted, history.rejected = 8.0, 1.0
+    wide = _wide_passes_over_calls(history, FixedPassCost(1.0, 0.0, drafting=4.5), lambda plan: plan % 2 == 0)
+    assert wide <= 3 if calibrated else wide >= 60
+
+
+def test_drafts_kept_whole_keep_drafting_calibrated():
+    """Drafts kept as often as the estimate promises, or more (a copy drafter): the calibration stays 1."""
+    history = AcceptanceHistory()
+    history.accepted, history.rejected = 8.0, 1.0
+    assert _wide_passes_over_calls(history, FixedPassCost(1.0, 0.0, drafting=4.5), lambda plan: True) >= 60
+    assert history.calibration() == 1.0
+
+
+def test_calibration_needs_evidence_and_stays_in_its_range():
+    from lightgen.generation.draft_policy import CALIBRATION_EVIDENCE, CALIBRATION_RANGE
+
+    history = AcceptanceHistory()
+    history.kept_of_expected(CALIBRATION_EVIDENCE / 2, 0.0)
+    assert history.calibration() == 1.0  # too little evidence yet
+    history.kept_of_expected(CALIBRATION_EVIDENCE * 2, 0.0)
+    assert history.calibration() == CALIBRATION_RANGE[0]
+    for _ in range(40):  # older passes fade: kept 3 of 6 expected a pass
+        history.kept_of_expected(6.0, 3.0)
+    assert history.calibration() == pytest.approx(0.5, abs=0.01)
+    for _ in range(40):
+        history.kept_of_expected(2.0, 5.0)
+    assert history.calibration() == CALIBRATION_RANGE[1]
+
+
 def test_greedy_steps_between_probes_are_counted_across_calls():
     history, cost = AcceptanceHistory(), FixedPassCost(1.0, 0.5, drafting=0.2)
     first = DraftPolicy(1, cost, history)
