@@ -11,7 +11,8 @@ is what this decoder's drafts of this kind kept in earlier calls (``AcceptanceHi
 copies its input drafts long from a row's first pass and a chat model drafts short; a row
 drafts at most the tokens whose expected acceptance ``p^i`` is worth a place, and the pass width is the
 ``K`` that maximises expected tokens per second, ``sum_rows(1 + a sum_{i<=K} p^i) / (cost(rows x (1+K)) + o_K)``,
-with ``a`` the row's chance that its drafter finds a draft at all (a copy drafter needs an anchor),
+with ``a`` the row's chance that its drafter finds a draft at all (a copy drafter needs an anchor), the ``p^i``
+scaled by the share of such expectations that earlier passes kept (``AcceptanceHistory.calibration``),
 with ``cost`` the decoder's own time, a line through positions, and ``o_K`` what an iteration costs around it:
 drafting and a drafting pass's bookkeeping for ``K > 0``, a plain greedy step's for ``K = 0`` (``PassCost``, measured
 on this decoder with drafters of this kind); a drafter that steps once a token (an assistant model, a self-drafter)
