@@ -299,10 +299,10 @@ class _NARSession:
             self.source_pad = padding_mask(sources, device)
             self._memory = None
         self._max_length = max_length
-        # What drafting needs beyond the call's inputs is made at the first draft (``_prepare``, and the cross K/V
-        # in ``_rows``): a call whose policy never drafts (drafts that do not pay) skips it (demo model, batch 8,
-        # interleaved with greedy: the cross K/V, GAD 0.90 -> 1.00x greedy's speed; the kernels' layers, a walk over
-        # the drafter's parameters: a session started in 80 instead of 9 us).
+        # What drafting needs beyond the call's inputs is made at the first draft (``_prepare``): a call whose
+        # policy never drafts (drafts that do not pay) skips it (demo model, batch 8, interleaved with greedy: the
+        # cross K/V, GAD 0.90 -> 1.00x greedy's speed; the kernels' layers, a walk over the drafter's parameters: a
+        # session started in 80 instead of 9 us).
         self.layers: _DraftingLayers | None = None
         self.cache: _PrefixCache | None = None
         self._prepared = False
@@ -318,13 +318,18 @@ class _NARSession:
         return self._memory
 
     def _prepare(self) -> None:
-        """The drafter's decoder on the kernels (``layers``) and, for a ``causal_prefix`` drafter, its cache."""
+        """The drafter's decoder on the kernels (``layers``), the cross-attention K/V of the call's encoder side and,
+        for a ``causal_prefix`` drafter, its cache."""
         if self._prepared:
             return
         self._prepared = True
         config = self.drafter.config
         self.layers = self.drafter.drafting_layers()
-        if self.layers is not None and config.causal_prefix:
+        if self.layers is None:
+            return
+        with torch.inference_mode():
+            self._cross = self.layers.cross_keys_values(self.memory)
+        if config.causal_prefix:
             length = min(config.max_positions, self._max_length or config.max_positions)
             self.cache = _PrefixCache(config.decoder_layers, self.source_pad.shape[0], config.heads, length,
                                       config.d_model // config.heads)
@@ -357,8 +362,6 @@ class _NARSession:
         on every pass."""
         if rows != self._selected_rows:
             index = torch.tensor(rows, device=self.source_pad.device)
-            if self.layers is not None and self._cross is None:
-                self._cross = self.layers.cross_keys_values(self.memory)
             memory = (self.memory.index_select(0, index) if self.layers is None else
                       [(keys.index_select(0, index), values.index_select(0, index)) for keys, values in self._cross])
             self._selected_rows, self._selected = list(rows), (index, memory, ~self.source_pad.index_select(0, index))
