@@ -12,6 +12,7 @@ failed is kept in ``REGRESSIONS`` below.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import random
 import warnings
@@ -321,10 +322,36 @@ def _race_flips(mine, theirs, tolerance: float) -> dict[int, int]:
     return flips
 
 
+def _typical_flips(mine, theirs, tolerance: float) -> dict[int, int]:
+    """Row -> the first step where typical_p kept other tokens than HF's only at its edge (``_Recorded.typical``).
+    Typical sampling keeps the tokens whose surprise (-log p) is nearest the entropy, so two tokens on either side of
+    it can tie to fp32 rounding and sort otherwise (seen once in 2443 cases: Qwen2, typical_p 0.3, two distances of
+    0.0111115 and 0.0111120 swapped between the sides, the logits 3e-8 apart): from there the row samples from another
+    set. Every token kept on one side only must be within ``tolerance`` of HF's cut (the farthest distance it kept)."""
+    flips, parted = {}, set()
+    for step, ((_, kept), (hf_scores, hf_kept)) in enumerate(zip(mine, theirs)):
+        if kept.shape != hf_kept.shape:
+            break
+        log_probs = hf_scores.log_softmax(-1)
+        distance = (-log_probs + (log_probs * log_probs.exp()).nansum(-1, keepdim=True)).abs()
+        cut = torch.where(hf_kept, distance, -torch.inf).amax(-1, keepdim=True)
+        at_edge = (distance - cut).abs() <= tolerance
+        differ = kept != hf_kept
+        for row in differ.any(-1).nonzero().flatten().tolist():
+            if row in flips or row in parted:
+                continue
+            if bool(at_edge[row][differ[row]].all()):
+                flips[row] = step
+            else:
+                parted.add(row)
+    return flips
+
+
 def _sampled_past_a_tie(got, expected, settings, rescored, sequences, hf_sequences, draws, slot_ties=None):
     """(diverged, excused) where sampling drew from kept sets that differ at a filter edge's tie (``_edge_flips``;
     seen once in 12783 cases: BART beam sampling, top_k 12, the 12th and 13th tokens 5e-7 apart), or from probs
-    whose race is a tie to fp32 rounding (``_race_flips``; ``draws()``: (lightgen's, HF's) ``_draws``): diverged
+    whose race is a tie to fp32 rounding (``_race_flips``; ``draws()``: (lightgen's, HF's) ``_draws``), or where
+    typical_p kept other tokens at a tie of its own (``_typical_flips``): diverged
     maps each such row (beam sampling: sentence) to its step, from which its tokens and scores are fp32
     rounding's; excused marks the returned rows to leave out. A sampled row's tokens before its step must still
     be HF's. Beam sampling: also sentences whose beams may have swapped slots at a tie (``slot_ties()``)."""
@@ -350,8 +377,11 @@ def _sampled_past_a_tie(got, expected, settings, rescored, sequences, hf_sequenc
                    for row in range(len(hf_sequences) // per_row))
 
     if unexplained():
-        for row, step in _race_flips(*draws(), tolerance).items():
+        mine_drawn, hf_drawn = draws()
+        for row, step in _race_flips(mine_drawn.draws, hf_drawn.draws, tolerance).items():
             diverged.setdefault(row, step)
+        for row, step in _typical_flips(mine_drawn.typical, hf_drawn.typical, tolerance).items():
+            diverged[row // beams] = min(step, diverged.get(row // beams, step))
     if slot_ties is not None and unexplained():
         for row, step in slot_ties().items():
             diverged[row] = min(step, diverged.get(row, step))
@@ -420,7 +450,7 @@ def _assert_close_scores(mine, theirs, what, beams: int = 1, tolerance: float = 
     swapped, cut = set(), set()
     for step, (a, b) in enumerate(zip(mine, theirs)):
         assert a.shape == b.shape, f"{what}[{step}]: shape {tuple(a.shape)} vs {tuple(b.shape)}"
-        a, b = _without_filter_edge(a, b, tolerance)
+        a, b = _at_flip(*_without_filter_edge(a, b, tolerance), diverged, step, beams)
         if beams > 1:
             for sentence in range(a.shape[0] // beams):
                 rows = slice(sentence * beams, (sentence + 1) * beams)
@@ -438,6 +468,17 @@ def _assert_close_scores(mine, theirs, what, beams: int = 1, tolerance: float = 
         kept = [row for row in range(a.shape[0]) if diverged.get(row, step) >= step]
         assert_close(a[kept], b[kept], step)
     return swapped | cut
+
+
+def _at_flip(a: torch.Tensor, b: torch.Tensor, diverged: dict[int, int], step: int, beams: int):
+    """``a`` and ``b`` with the tokens one side kept alone set to -inf on both in the rows (beam sampling: of the
+    sentences) that ``diverged`` has at ``step``: there their kept sets differ at a tie (``_sampled_past_a_tie``)."""
+    rows = [row for row in range(a.shape[0]) if diverged.get(row // beams) == step]
+    if not rows:
+        return a, b
+    one_sided = torch.zeros(a.shape, dtype=torch.bool)
+    one_sided[rows] = torch.isfinite(a[rows]) != torch.isfinite(b[rows])
+    return a.masked_fill(one_sided, -torch.inf), b.masked_fill(one_sided, -torch.inf)
 
 
 def _tie_at_cut(candidates: torch.Tensor, beams: int) -> bool:
@@ -804,31 +845,48 @@ def _cuts(model, kwargs, seed: int) -> list[torch.Tensor]:
     return cuts
 
 
-def _draws(model, kwargs, extra, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Each sampling draw of a rerun of the case: (probs, the default generator's state before it, picks
-    [rows, samples]), recorded around torch.multinomial (HF's sampling and beam sampling) and lightgen's
-    ``ops.sample_tokens`` (the outer call alone where one calls the other)."""
-    draws, depth = [], [0]
+@dataclasses.dataclass
+class _Recorded:
+    """A rerun's sampling draws, each (probs, the default generator's state before it, picks [rows, samples]), and
+    typical_p's filterings, each (its scores in, the tokens it kept [rows, V] bool)."""
+
+    draws: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    typical: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _draws(model, kwargs, extra, seed: int) -> _Recorded:
+    """A rerun of the case, its draws recorded around torch.multinomial (HF's sampling and beam sampling) and
+    lightgen's ``ops.sample_tokens`` (the outer call alone where one calls the other), and its typical_p filterings
+    around HF's warper (lightgen applies HF's)."""
+    recorded, depth = _Recorded([], []), [0]
 
     def recording(sample):
-        def recorded(probs, *args, **options):
+        def recorded_draw(probs, *args, **options):
             state, depth[0] = torch.get_rng_state(), depth[0] + 1
             try:
                 picks = sample(probs, *args, **options)
             finally:
                 depth[0] -= 1
             if depth[0] == 0:
-                draws.append((probs.detach().clone(), state, picks.reshape(len(probs), -1).clone()))
+                recorded.draws.append((probs.detach().clone(), state, picks.reshape(len(probs), -1).clone()))
             return picks
-        return recorded
+        return recorded_draw
+
+    typical = tf.generation.logits_process.TypicalLogitsWarper.__call__
+
+    def filtered(warper, input_ids, scores):
+        kept = typical(warper, input_ids, scores.clone())
+        recorded.typical.append((scores.detach().clone(), torch.isfinite(kept)))
+        return kept
 
     with mock.patch("torch.multinomial", recording(torch.multinomial)), \
-            mock.patch.object(lightgen.ops, "sample_tokens", recording(lightgen.ops.sample_tokens)):
+            mock.patch.object(lightgen.ops, "sample_tokens", recording(lightgen.ops.sample_tokens)), \
+            mock.patch.object(tf.generation.logits_process.TypicalLogitsWarper, "__call__", filtered):
         torch.manual_seed(seed)
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             model.generate(**_fresh(kwargs), **extra)
-    return draws
+    return recorded
 
 
 def _hf_rounding(model, kwargs, sequences) -> float:
@@ -884,6 +942,8 @@ ARGUMENT_REGRESSIONS: dict[int, str] = {
     700200528: "Gemma 3 IAD with a streamer: each pass's tokens in one put, as HF's assisted decoding (the check)",
     700411630: "OPT beams, every EOS at +inf (an exponential length penalty past the largest float): hypotheses tied "
                "exactly, in torch.topk's order of the other values (the check)",
+    120810101160: "Qwen2 sampling, typical_p 0.3: two tokens' distances from the entropy tie to fp32 rounding and "
+                  "sort otherwise than HF's (the check)",
 }
 
 
