@@ -229,12 +229,13 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
     policy = DraftPolicy(rows, pass_cost if pass_cost is not None else default_cost(decoder, drafter),
                          default_history(decoder, drafter))
     # A pass verifies rows x (1 + draft) positions on the kernels greedy's one-token steps run, never past them.
-    kernel_rows = getattr(decoder, "decoder", decoder).kernel_rows()
+    kernel_rows = getattr(decoder, "decoder", decoder).kernel_rows(state)
     history: list[tuple[np.ndarray, np.ndarray]] = []  # per pass: (rows in it, tokens each added)
 
     def next_pass():
         """The next pass's logits, argmax and drafts, as ``_draft_and_verify`` gives them, after the plain greedy
-        steps that come first when the policy drafts nothing."""
+        steps that come first when the policy drafts nothing (rows may end in them)."""
+        nonlocal live
         per_row = max_draft.per_row(live.shape[0]) if isinstance(max_draft, DraftBudget) else max_draft
         if kernel_rows < math.inf:
             per_row = max(0, min(per_row, int(kernel_rows) // live.shape[0] - 1))
@@ -243,8 +244,9 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
         sizes = policy.plan(np.minimum(max_length - lengths[live] - 1, per_row),
                             found=None if anchors is None else drafter.anchored(live, anchors))
         if not policy.drafting:
-            return _greedy_steps(decoder, state, policy, sequences, lengths, live, eos, max_length, history, streamer,
-                                 drafter)
+            live, logits, best, drafts = _greedy_steps(decoder, state, policy, sequences, lengths, live, eos,
+                                                       max_length, history, streamer, drafter)
+            return logits, best, drafts
         return _draft_and_verify(decoder, state, drafter, policy, sizes, anchors, sequences, lengths, live,
                                  pad_token_id, acceptance)
 
@@ -279,7 +281,8 @@ def aggressive_greedy(decoder, state, input_ids, prompt_positions, drafter: Draf
         history.append((live, taken))
         if streamer is not None:
             streamer.put(torch.from_numpy(new_tokens[:1, :int(taken[0])].copy()))
-        state.roll_back(torch.from_numpy(width - accepted).to(device))
+        if width:
+            state.roll_back(torch.from_numpy(width - accepted).to(device))
         finished = ended | full
         if finished.all():
             policy.finish()
@@ -315,43 +318,53 @@ def _greedy_steps(decoder, state, policy: DraftPolicy, sequences, lengths, live,
                   drafter):
     """Up to ``policy.greedy_steps()`` plain greedy steps, one token a row each, without a drafting pass's
     bookkeeping (demo model, batch 1: ~0.2 instead of ~1.2 ms a step around the decoder), so that where drafts do
-    not pay the loop costs what greedy decoding does. Tokens go to ``sequences`` at the end; the step where a row
-    ends (EOS, or max_length with its forced EOS), or the last, is handed back as the next pass: (its logits
-    [rows, 1, V], argmax [rows, 1], no drafts) for the main loop's bookkeeping. So is the step after which a row
-    that waited for a draft has one (``policy.waiting``: a copy drafter's anchor, looked up after each step)."""
-    row_lengths = lengths[live]
+    not pay the loop costs what greedy decoding does. Each step's tokens go to ``sequences`` as it ends, and rows that
+    end with an EOS leave the batch there, as in greedy decoding (handing each such step back to the main loop cost
+    the demo model's GAD ~3% at batch 8). The last step, one where every row ends, and the step after which a row that
+    waited for a draft has one (``policy.waiting``: a copy drafter's anchor, looked up after each step) are handed
+    back as the next pass: (the rows still decoding, its logits [rows, 1, V], argmax [rows, 1], no drafts) for the
+    main loop's bookkeeping, which also ends rows at max_length (no step here reaches it)."""
     # Steps before the longest row's next token would reach max_length: the main loop takes that one.
-    steps = max(1, min(policy.greedy_steps(), max_length - int(row_lengths.max())))
+    steps = max(1, min(policy.greedy_steps(), max_length - int(lengths[live].max())))
     device = state.next_position.device
-    last = torch.from_numpy(sequences[live, row_lengths - 1]).to(device)
-    eos = torch.from_numpy(eos).to(device)
-    tokens = []
-    one_each = np.ones(live.shape[0], dtype=np.int64)
-    for step in range(steps):
+    last = torch.from_numpy(sequences[live, lengths[live] - 1]).to(device)
+    taken = 0
+    while True:
         started = time.perf_counter()
         logits = decoder.step(state, last[:, None])
         best = ops.greedy_tokens(logits)
-        ended = bool(torch.isin(best, eos).any())  # reads the result: on a GPU, the step has run
-        policy.timed(last.shape[0], started, time.perf_counter())
-        if ended or step == steps - 1:
-            break
-        if policy.waiting is not None:
-            waiting = np.flatnonzero(policy.waiting)
-            rows = live[waiting]
-            # Only the waiting rows' tokens so far are looked up; the main loop writes them all.
-            sequences[rows, row_lengths[waiting] + step] = best.cpu().numpy()[waiting]
-            if drafter.anchored(rows, _anchors(drafter, rows, sequences, row_lengths[waiting] + step + 1)).any():
-                policy.wake()
-                break
-        tokens.append(best)
-        last = best
-        history.append((live, one_each))
+        tokens = best.cpu().numpy()  # on a GPU, waits for the step
+        policy.timed(live.shape[0], started, time.perf_counter())
+        ended = (tokens[:, None] == eos).any(-1)
+        taken += 1
+        if taken == steps or ended.all() or _draft_found(policy, drafter, live, sequences, lengths, tokens):
+            return live, logits[:, None], tokens[:, None], np.empty((live.shape[0], 0), dtype=np.int64)
+        sequences[live, lengths[live]] = tokens
+        lengths[live] += 1
+        history.append((live, np.ones(live.shape[0], dtype=np.int64)))
         if streamer is not None:
-            streamer.put(best[:1, None].cpu())
-    if step:
-        sequences[live[:, None], row_lengths[:, None] + np.arange(step)] = torch.stack(tokens, 1).cpu().numpy()
-        lengths[live] += step
-    return logits[:, None], best[:, None].cpu().numpy(), np.empty((best.shape[0], 0), dtype=np.int64)
+            streamer.put(torch.from_numpy(tokens[:1, None]))
+        last = best
+        if ended.any():
+            keep = np.flatnonzero(~ended)
+            kept = torch.from_numpy(keep).to(device)
+            state.keep_rows(kept)
+            policy.keep(keep)
+            live, last = live[keep], best[kept]
+
+
+def _draft_found(policy: DraftPolicy, drafter, live, sequences, lengths, tokens) -> bool:
+    """Whether a row waiting for a draft (``policy.waiting``) has one after its token in ``tokens`` (written to
+    ``sequences`` for the lookup; whoever books the step writes it again); if so, the policy is woken."""
+    if policy.waiting is None:
+        return False
+    waiting = np.flatnonzero(policy.waiting)
+    rows = live[waiting]
+    sequences[rows, lengths[rows]] = tokens[waiting]
+    if not drafter.anchored(rows, _anchors(drafter, rows, sequences, lengths[rows] + 1)).any():
+        return False
+    policy.wake()
+    return True
 
 
 def _draft_and_verify(decoder, state, drafter, policy: DraftPolicy, sizes, anchors, sequences, lengths, live,

@@ -79,7 +79,8 @@ class PassCost:
 
     def __init__(self, window: int = 8, counts: int = 64) -> None:
         self._times: collections.OrderedDict[int, collections.deque] = collections.OrderedDict()
-        self._means: dict[int, float] = {}  # per count, the faster-half mean of its times
+        self._fresh_means: dict[int, float] = {}  # ``_means`` as of the last read
+        self._changed: set[int] = set()  # the counts timed since
         self._window, self._counts = window, counts
         self._line: tuple[float, float] | None = None
         # Seconds between one pass's end and the next one's start (drafting iterations, greedy steps) against the
@@ -93,14 +94,28 @@ class PassCost:
         times = self._times.pop(positions, None) or collections.deque(maxlen=self._window)
         times.append(seconds)
         self._times[positions] = times  # most recently seen last; the oldest count goes first
-        # A count enters the line with its second time (the faster of the two): its first is often its shape's first
-        # run in the process (the demo model's first 8-position pass: 2.2 ms, later ones ~0.7), or a spike, and a
-        # count that looks dear is rarely timed again: IAD then stayed greedy for the rest of the process.
-        if len(times) >= 2:
-            self._means[positions] = _faster_half_mean(times)
         if len(self._times) > self._counts:
-            self._means.pop(self._times.popitem(last=False)[0], None)
-        self._line = None
+            oldest = self._times.popitem(last=False)[0]
+            self._fresh_means.pop(oldest, None)
+            self._changed.discard(oldest)
+            self._line = None
+        # Means are taken when the line is read (a plan), not per pass: greedy steps time every step.
+        self._changed.add(positions)
+
+    @property
+    def _means(self) -> dict[int, float]:
+        """Per count timed twice or more, the faster-half mean of its times. A count enters the line with its second
+        time (the faster of the two): its first is often its shape's first run in the process (the demo model's first
+        8-position pass: 2.2 ms, later ones ~0.7), or a spike, and a count that looks dear is rarely timed again: IAD
+        then stayed greedy for the rest of the process."""
+        if self._changed:
+            for positions in self._changed:
+                times = self._times.get(positions)
+                if times is not None and len(times) >= 2:
+                    self._fresh_means[positions] = _faster_half_mean(times)
+            self._changed.clear()
+            self._line = None
+        return self._fresh_means
 
     def observe_around(self, drafting: bool, rows: int, seconds: float) -> None:
         self._around.setdefault(drafting, PassCost(self._window, self._counts)).observe(rows, seconds)
@@ -132,7 +147,7 @@ class PassCost:
 
     def line(self) -> tuple[float, float]:
         """(a, b): seconds of a pass over n positions ~ a + b n, with a > 0 and b >= 0."""
-        if self._line is None:
+        if self._changed or self._line is None:
             self._line = self._fit()
         return self._line
 

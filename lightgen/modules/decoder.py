@@ -346,15 +346,19 @@ class Decoder:
         self.native_reason = native_step.unsupported(spec)
         self.native_steps = 0  # steps whose layers ran natively
 
-    def kernel_rows(self) -> float:
-        """The most positions a step may feed with every linear on the kernel a one-token step runs (inf: no row
-        limit). Past it ATen runs the fp32 ones, whose sums round otherwise: a draft verified there could part
-        from greedy's tokens at a near-tie."""
+    def kernel_rows(self, state: DecodeState) -> float:
+        """The most positions a step of ``state``'s request may feed with every linear on the kernel a one-token step
+        runs (inf: no row limit). Past it ATen runs the fp32 ones, whose sums round otherwise: a draft verified there
+        could part from greedy's tokens at a near-tie. The layers' limit is the request's native plan's where it has
+        one (its walk over the layers' weights is made once a request either way: ~150 us on the demo model)."""
         spec = self.spec
-        modules = [spec.lm_head, spec.project_in, spec.project_out,
-                   *(linear for layer in spec.layers for linear in layer.step_linears(spec.block))]
+        plan = self._request_plan(state)
+        modules = [spec.lm_head, spec.project_in, spec.project_out]
+        if not plan:
+            modules += [linear for layer in spec.layers for linear in layer.step_linears(spec.block)]
         weights = [current_weights(module) for module in modules if module is not None]
-        return min((found.max_rows for found in weights if found is not None), default=math.inf)
+        rows = min((found.max_rows for found in weights if found is not None), default=math.inf)
+        return min(rows, plan.max_rows) if plan else rows
 
     def start(self, rows: int, max_len: int, dtype: torch.dtype, device, *, prompt_mask=None, encoder_hidden=None,
               encoder_mask=None, expand: int = 1, spare_positions: int = 0) -> DecodeState:
@@ -546,12 +550,16 @@ class Decoder:
         return hidden
 
     def _native_plan(self, state: DecodeState, hidden: torch.Tensor) -> native_step.Plan | None:
+        plan = self._request_plan(state)
+        return plan if plan and plan.takes(hidden) else None
+
+    def _request_plan(self, state: DecodeState) -> native_step.Plan | None:
+        """The native plan of ``state``'s request (None: the spec has none; False: some projection runs on ATen)."""
         if self.native_reason is not None:
             return None
         if state.native_plan is None:  # once per request: the packed weights are current while it decodes
             state.native_plan = native_step.plan(self.spec) or False
-        plan = state.native_plan
-        return plan if plan and plan.takes(hidden) else None
+        return state.native_plan
 
     def _observe(self, observed: Observed, weights, hiddens, eager: bool) -> None:
         """Record this step's attention weights (over the keys HF's cache layer hands attention; a query without
