@@ -57,6 +57,7 @@ CALIBRATION_EVIDENCE = 4.0
 CALIBRATION_DECAY = 0.9
 # Probes (one-token drafts while greedy steps win) may cost this share of the greedy steps' time between them ...
 PROBE_SHARE = 0.03
+PROBE = "probe"  # the kind of iteration a probe's time is kept under (``PassCost.around``)
 # ... but come after this many greedy steps at least and at most.
 FIRST_PROBE_WAIT, LONGEST_PROBE_WAIT = 2, 1024
 RATE_TOLERANCE = 0.05
@@ -117,12 +118,18 @@ class PassCost:
             self._line = None
         return self._fresh_means
 
-    def observe_around(self, drafting: bool, rows: int, seconds: float) -> None:
+    def observe_around(self, drafting: bool | str, rows: int, seconds: float) -> None:
         self._around.setdefault(drafting, PassCost(self._window, self._counts)).observe(rows, seconds)
 
-    def around(self, drafting: bool, rows: int) -> float:
-        """Seconds an iteration over ``rows`` costs outside the decoder's pass (0 before any was seen)."""
+    def around(self, drafting: bool | str, rows: int) -> float:
+        """Seconds an iteration over ``rows`` costs outside the decoder's pass: one that drafts (True), a probe
+        (PROBE) or a plain greedy step (False); 0 before any was seen. Probes and drafting iterations are priced
+        apart, each by the other's times until its own were seen: a probe is mostly the first draft of its call,
+        where a drafter sets up (the demo's GAD drafter: 0.8 ms against 0.5 for the next drafts at batch 1), and
+        priced as the drafts after it, probes came more often than PROBE_SHARE allows."""
         line = self._around.get(drafting)
+        if drafting is not False and (line is None or not line.seen()):
+            line = self._around.get(True if drafting == PROBE else PROBE)
         return float(line(rows)) if line is not None and line.seen() else 0.0
 
     def observe_drafting(self, rows: int, steps: int, seconds: float) -> None:
@@ -193,7 +200,7 @@ class FixedPassCost(PassCost):
     def observe_drafting(self, rows: int, steps: int, seconds: float) -> None:
         pass
 
-    def around(self, drafting: bool, rows: int) -> float:
+    def around(self, drafting: bool | str, rows: int) -> float:
         return self._drafting if drafting else 0.0
 
     def seen(self) -> bool:
@@ -379,7 +386,7 @@ class DraftPolicy:
         """Greedy steps between probes: enough that a probe's extra cost is PROBE_SHARE of theirs."""
         rows = self._sizes.shape[0]
         greedy = float(self.cost(rows)) + self.cost.around(False, rows)
-        probe = float(self.cost(2 * rows)) + self.cost.around(True, rows) + self.cost.drafting_step(rows)
+        probe = float(self.cost(2 * rows)) + self.cost.around(PROBE, rows) + self.cost.drafting_step(rows)
         if not self.cost.seen() or greedy <= 0:  # no pass timed yet
             return FIRST_PROBE_WAIT
         return int(min(max(math.ceil((probe - greedy) / (PROBE_SHARE * greedy)), FIRST_PROBE_WAIT),
@@ -461,13 +468,13 @@ class DraftPolicy:
     def timed(self, positions: int, started: float, ended: float) -> None:
         """A decoder pass over ``positions`` ran from ``started`` to ``ended`` (``time.perf_counter``), after the
         last plan: its time goes to the line, the time since the previous pass ended (drafting, acceptance,
-        bookkeeping) to the drafting or the greedy iterations' cost around a pass. Priced per pass, not per
+        bookkeeping) to the drafting, probing or greedy iterations' cost around a pass. Priced per pass, not per
         position: with the decoder's time alone, a small fast decoder (the demo model's native step: 0.7 ms a
         pass, ~0.3 ms of it Python around it) looked dearer per position than it is, and IAD drafted 4.9-5.2
         tokens a pass instead of 6.15 (slower)."""
         if self._last_end is not None:
             around = started - self._last_end - self._drafting_seconds
-            self.cost.observe_around(self.drafting, self.accepted.shape[0], around)
+            self.cost.observe_around(PROBE if self._probing else self.drafting, self.accepted.shape[0], around)
         self._last_end, self._drafting_seconds = ended, 0.0
         self.cost.observe(positions, ended - started)
         if not self.drafting:

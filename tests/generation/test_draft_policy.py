@@ -3,6 +3,7 @@ drafting, and the tokens stay greedy's; the vectorised IAD drafter matches its l
 
 import copy
 import itertools
+import math
 import random
 
 import numpy as np
@@ -606,6 +607,36 @@ def test_pass_cost_prices_the_time_around_a_pass_per_pass():
     for rows, seconds in ((1, 0.002), (8, 0.005)) * 2:
         cost.observe_around(True, rows, seconds)
     assert cost.around(True, 4) == pytest.approx(0.002 + 3 * 0.003 / 7) and cost.around(False, 4) == 0.0
+
+
+def test_probes_are_priced_by_their_own_times():
+    """A probe is mostly its call's first draft, where the drafter sets up: its time is kept apart from the drafting
+    iterations' (each kind priced by the other's until its own are seen), so probes stay within PROBE_SHARE."""
+    from lightgen.generation.draft_policy import PROBE, PROBE_SHARE
+
+    cost = PassCost()
+    for _ in range(2):
+        cost.observe(1, 0.001)
+        cost.observe(2, 0.0012)
+        cost.observe_around(False, 1, 0.0001)
+        cost.observe_around(PROBE, 1, 0.004)
+    assert cost.around(True, 1) == pytest.approx(0.004)  # no drafting iteration yet: a probe's price
+    for _ in range(2):
+        cost.observe_around(True, 1, 0.001)
+    assert cost.around(True, 1) == pytest.approx(0.001) and cost.around(PROBE, 1) == pytest.approx(0.004)
+    policy = DraftPolicy(1, cost)
+    policy.rejected = np.array([4.0])
+    assert policy.plan(np.array([8])).tolist() == [0]
+    greedy, probe = 0.001 + 0.0001, 0.0012 + 0.004
+    assert policy.greedy_steps() == math.ceil((probe - greedy) / (PROBE_SHARE * greedy))
+    clock = 0.0
+    for _ in range(policy.greedy_steps()):
+        policy.timed(1, clock + 0.0001, clock + 0.0011)
+        clock += 0.0011
+    assert policy.plan(np.array([8])).tolist() == [1] and policy.drafting  # the probe, timed as one
+    policy.timed(2, clock + 0.006, clock + 0.0072)
+    assert list(cost._around[PROBE]._times[1]) == pytest.approx([0.004, 0.004, 0.006])
+    assert cost.around(True, 1) == pytest.approx(0.001)
 
 
 def test_near_best_widths_go_to_the_longer_draft():
