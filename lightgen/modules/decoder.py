@@ -553,7 +553,7 @@ class Decoder:
         plan = self._request_plan(state)
         return plan if plan and plan.takes(hidden) else None
 
-    def _request_plan(self, state: DecodeState) -> native_step.Plan | None:
+    def _request_plan(self, state: DecodeState) -> native_step.Plan | bool | None:
         """The native plan of ``state``'s request (None: the spec has none; False: some projection runs on ATen)."""
         if self.native_reason is not None:
             return None
