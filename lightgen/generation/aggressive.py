@@ -328,6 +328,7 @@ def _greedy_steps(decoder, state, policy: DraftPolicy, sequences, lengths, live,
     steps = max(1, min(policy.greedy_steps(), max_length - int(lengths[live].max())))
     device = state.next_position.device
     last = torch.from_numpy(sequences[live, lengths[live] - 1]).to(device)
+    one_each = np.ones(live.shape[0], dtype=np.int64)  # a step's tokens per row, in ``history``
     taken = 0
     while True:
         started = time.perf_counter()
@@ -341,7 +342,7 @@ def _greedy_steps(decoder, state, policy: DraftPolicy, sequences, lengths, live,
             return live, logits[:, None], tokens[:, None], np.empty((live.shape[0], 0), dtype=np.int64)
         sequences[live, lengths[live]] = tokens
         lengths[live] += 1
-        history.append((live, np.ones(live.shape[0], dtype=np.int64)))
+        history.append((live, one_each))
         if streamer is not None:
             streamer.put(torch.from_numpy(tokens[:1, None]))
         last = best
@@ -350,7 +351,7 @@ def _greedy_steps(decoder, state, policy: DraftPolicy, sequences, lengths, live,
             kept = torch.from_numpy(keep).to(device)
             state.keep_rows(kept)
             policy.keep(keep)
-            live, last = live[keep], best[kept]
+            live, last, one_each = live[keep], best[kept], one_each[keep]
 
 
 def _draft_found(policy: DraftPolicy, drafter, live, sequences, lengths, tokens) -> bool:
